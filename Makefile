@@ -1,0 +1,16 @@
+# The two commands of the README. Each sets up whatever is missing first.
+.PHONY: demo test lint setup
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/kvjax demo
+
+test: setup
+	.venv/bin/python -m ruff check .
+	.venv/bin/python -m pytest -q
+
+lint: setup
+	.venv/bin/python -m ruff check .
+	.venv/bin/python -m ruff format --check .

@@ -1,0 +1,124 @@
+"""Decode-speed benchmark: steady-state decode steps over a cache filled to a given context.
+
+The cache is filled synthetically (random K/V written through the policy, no model forward), so
+32K-token contexts of 8B-shaped models cost seconds; each timed step is a real model step.
+Reports time per step, tokens/s and bytes read per step against a measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention import AttnStats
+from kvjax.cache import Cache, CacheSpec, init_cache, live_bytes, physical_bytes
+from kvjax.generate import model_step
+from kvjax.models import ModelConfig, Params
+from kvjax.policies import Policy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBench:
+    """One decode measurement (JSON-ready via dataclasses.asdict)."""
+
+    model: str
+    policy: str
+    budget: int | None
+    batch: int
+    context: int
+    steps: int
+    dtype: str
+    device: str
+    ms_per_step: float
+    tokens_per_s: float
+    weight_bytes: int
+    live_kv_bytes: int
+    physical_kv_bytes: int
+    floor_ms: float  # (weights + live KV) bytes / measured copy bandwidth
+    copy_gbps: float
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
+    """Write `chunk` random tokens per sequence through the policy (no model)."""
+    layers = []
+    b = cache.length.shape[0]
+    pos = cache.length[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]
+    valid = jnp.ones((b, chunk), bool)
+    for i, layer in enumerate(cache.layers):
+        key, kk, kv, km = jax.random.split(key, 4)
+        h, d = layer.k.shape[1], layer.k.shape[3]
+        k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
+        v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
+        stats = AttnStats(slot_mass=jax.random.uniform(km, layer.pos.shape),
+                          new_mass=jax.random.uniform(km, (b, h, chunk)),
+                          lse=jnp.zeros((b, chunk, 1)))
+        layers.append(policy.write(layer, k, v, pos, valid, stats, cache.policy_state,
+                                   layer_index=i))
+    return Cache(layers=tuple(layers), length=cache.length + chunk,
+                 policy_state=cache.policy_state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _decode(config: ModelConfig, policy: Policy, steps: int, impl: str, params: Params,
+            cache: Cache, tok: jax.Array):
+    def body(_, carry):
+        cache, tok = carry
+        logits, cache = model_step(config, policy, params, cache, tok[:, None],
+                                   jnp.ones((tok.shape[0], 1), bool), implementation=impl)
+        return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, steps, body, (cache, tok))
+
+
+def copy_bandwidth(n_bytes: int) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / np.median(times) / 1e9
+
+
+def bench_decode(config: ModelConfig, params: Params, policy: Policy, *, context: int,
+                 batch: int, steps: int, budget: int | None = None, cache_dtype=None,
+                 implementation: str = "xla", fill_chunk: int = 512,
+                 copy_bytes: int = 1 << 28) -> DecodeBench:
+    """Time `steps` decode steps after filling the cache to `context` tokens."""
+    if context % fill_chunk:
+        raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
+    dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
+    spec = CacheSpec(batch=batch, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                     capacities=policy.capacities(config.num_layers, context + 2 * steps + 1),
+                     dtype=dtype)
+    cache = init_cache(spec, policy.init_state(batch))
+    key = jax.random.key(0)
+    for _ in range(context // fill_chunk):
+        key, sub = jax.random.split(key)
+        cache = _fill(policy, fill_chunk, cache, sub)
+    kv_live = int(live_bytes(cache).sum())
+    kv_phys = physical_bytes(cache)
+    tok = jnp.zeros((batch,), jnp.int32)
+    cache, tok = _decode(config, policy, steps, implementation, params, cache, tok)  # compile
+    jax.block_until_ready(tok)
+    t = time.perf_counter()
+    cache, tok = _decode(config, policy, steps, implementation, params, cache, tok)
+    jax.block_until_ready(tok)
+    sec = (time.perf_counter() - t) / steps
+    w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    bw = copy_bandwidth(copy_bytes)
+    return DecodeBench(
+        model=config.name, policy=policy.name, budget=budget, batch=batch, context=context,
+        steps=steps, dtype=str(np.dtype(dtype)), device=jax.devices()[0].device_kind,
+        ms_per_step=sec * 1e3, tokens_per_s=batch / sec, weight_bytes=int(w_bytes),
+        live_kv_bytes=kv_live, physical_kv_bytes=kv_phys,
+        floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3, copy_gbps=bw)

@@ -1,0 +1,5 @@
+import sys
+
+from kvjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""The one entry point models call for attention; implementations are chosen by name."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention._types import AttnStats
+from kvjax.attention._xla import attend_xla
+from kvjax.cache import LayerCache
+
+Array = jax.Array
+Implementation = Literal["xla"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla",)
+
+
+def attend(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array,
+           new_valid: Array, *, query_weight: Array | None = None, scale: float | None = None,
+           implementation: Implementation = "xla") -> tuple[Array, AttnStats]:
+    """Attention of this call's queries over the layer's cache and this call's own tokens.
+
+    Args:
+        q: [B, T, Hq, D] queries after RoPE.
+        layer: the layer's slot cache (tokens strictly before this call's).
+        k_new: [B, T, Hkv, D] this call's keys after RoPE.
+        v_new: [B, T, Hkv, D] this call's values.
+        q_pos: [B, T] int32 positions of this call's tokens.
+        new_valid: [B, T] bool, real token (False = padding).
+        query_weight: [B, T] weight of each query in the returned attention mass; defaults to
+            `new_valid` (every real query counts once).
+        scale: logit scale; default 1/sqrt(D).
+        implementation: "xla" (plain jnp reference). Pallas kernels are added by name here.
+
+    Returns:
+        (out [B, T, Hq, D], AttnStats).
+    """
+    b, t, hq, d = q.shape
+    hkv = layer.k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of cache KV heads ({hkv})")
+    if k_new.shape != (b, t, hkv, d) or v_new.shape != (b, t, hkv, d):
+        raise ValueError(f"k_new/v_new must be {(b, t, hkv, d)}, got {k_new.shape}, {v_new.shape}")
+    if layer.k.shape[0] != b or layer.k.shape[-1] != d:
+        raise ValueError(f"cache layer shape {layer.k.shape} does not match queries {q.shape}")
+    if query_weight is None:
+        query_weight = new_valid.astype(jnp.float32)
+    if scale is None:
+        scale = d**-0.5
+    if implementation == "xla":
+        return attend_xla(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
+    raise ValueError(f"unknown attention implementation {implementation!r}; "
+                     f"choose one of {IMPLEMENTATIONS}")

@@ -1,0 +1,24 @@
+"""What attention returns besides its output: the per-slot mass policies score with."""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+Array = jax.Array
+
+
+@struct.dataclass
+class AttnStats:
+    """Attention probability mass, summed over the G query heads of each KV head and over the
+    (weighted) queries of the call.
+
+    Attributes:
+        slot_mass: [B, Hkv, C] float32 mass on each cache slot.
+        new_mass: [B, Hkv, T] float32 mass on each of the T tokens of this call.
+        lse: [B, T, Hq] float32 log-sum-exp of each query's scaled logits.
+    """
+
+    slot_mass: Array
+    new_mass: Array
+    lse: Array

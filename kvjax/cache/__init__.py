@@ -1,0 +1,27 @@
+"""Fixed-shape KV cache state and its memory accounting."""
+
+from kvjax.cache._bytes import (
+    layer_slot_bytes,
+    live_bytes,
+    live_slots_per_layer,
+    physical_bytes,
+    slot_bytes_per_layer,
+    slots_to_bytes,
+)
+from kvjax.cache._ops import write_slots
+from kvjax.cache._state import EMPTY, Cache, CacheSpec, LayerCache, init_cache
+
+__all__ = [
+    "EMPTY",
+    "Cache",
+    "CacheSpec",
+    "LayerCache",
+    "init_cache",
+    "layer_slot_bytes",
+    "live_bytes",
+    "live_slots_per_layer",
+    "physical_bytes",
+    "slot_bytes_per_layer",
+    "slots_to_bytes",
+    "write_slots",
+]

@@ -1,0 +1,116 @@
+"""The KV cache: one immutable, fixed-shape pytree of slots per KV head.
+
+Every layer owns its own buffers (a tuple entry per layer) so that a decode step reads each
+layer's live bytes once and updates them in place inside the jitted loop; nothing ever changes
+shape, and positions are original token positions (keys are stored after RoPE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Array = jax.Array
+
+EMPTY = -1  # `pos` of an unoccupied slot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """Static shape of a cache.
+
+    Attributes:
+        batch: B.
+        num_kv_heads: Hkv.
+        head_dim: D.
+        capacities: C per layer (a tuple of L ints; pyramidal policies give layers different C).
+        dtype: storage dtype of the full-precision tier.
+    """
+
+    batch: int
+    num_kv_heads: int
+    head_dim: int
+    capacities: tuple[int, ...]
+    dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        if self.batch <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"CacheSpec dims must be > 0, got batch={self.batch}, "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        if not self.capacities or min(self.capacities) <= 0:
+            raise ValueError(f"CacheSpec.capacities must be non-empty and > 0, "
+                             f"got {self.capacities}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.capacities)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of K and V data in one full-precision slot of one KV head."""
+        return 2 * self.head_dim * np.dtype(self.dtype).itemsize
+
+
+@struct.dataclass
+class LayerCache:
+    """One layer's slots.
+
+    Attributes:
+        k: [B, Hkv, C, D] keys after RoPE.
+        v: [B, Hkv, C, D] values.
+        pos: [B, Hkv, C] int32 original position of the token in each slot; EMPTY (-1) if free.
+        score: [B, Hkv, C] float32, the policy's per-slot score (its meaning is the policy's).
+    """
+
+    k: Array
+    v: Array
+    pos: Array
+    score: Array
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[-1]
+
+    def occupied(self) -> Array:
+        """[B, Hkv, C] bool: slot holds a token."""
+        return self.pos >= 0
+
+    def live_slots(self) -> Array:
+        """[B, Hkv] int32: number of occupied slots."""
+        return jnp.sum(self.occupied(), axis=-1, dtype=jnp.int32)
+
+    def live_extent(self) -> Array:
+        """[B, Hkv] int32: one past the last occupied slot (kernels stop reading there)."""
+        idx = jnp.arange(1, self.capacity + 1, dtype=jnp.int32)
+        return jnp.max(jnp.where(self.occupied(), idx, 0), axis=-1)
+
+
+@struct.dataclass
+class Cache:
+    """The whole model's cache.
+
+    Attributes:
+        layers: one LayerCache per layer.
+        length: [B] int32 tokens consumed so far per sequence (the next position).
+        policy_state: a pytree owned by the policy (e.g. a confidence-chosen budget).
+    """
+
+    layers: tuple[LayerCache, ...]
+    length: Array
+    policy_state: Any = None
+
+
+def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
+    """An empty cache: all slots EMPTY, all data zero."""
+    b, h, d = spec.batch, spec.num_kv_heads, spec.head_dim
+    layers = tuple(
+        LayerCache(k=jnp.zeros((b, h, c, d), spec.dtype), v=jnp.zeros((b, h, c, d), spec.dtype),
+                   pos=jnp.full((b, h, c), EMPTY, jnp.int32),
+                   score=jnp.zeros((b, h, c), jnp.float32))
+        for c in spec.capacities)
+    return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)

@@ -1,0 +1,78 @@
+"""Shared CLI plumbing: model loading, policy flags, output as JSON or a table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import jax.numpy as jnp
+
+from kvjax.policies import POLICIES, Policy, make_policy
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face safetensors folder (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="weights and cache dtype (default float32)")
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, multi: bool = False) -> None:
+    if multi:
+        p.add_argument("--policy", nargs="+", default=["full", "window"],
+                       help=f"policies ({', '.join(sorted(POLICIES))})")
+    else:
+        p.add_argument("--policy", default="full", help=f"one of {', '.join(sorted(POLICIES))}")
+    p.add_argument("--budget", type=int, default=None,
+                   help="tokens kept per KV head per layer (all policies but full)")
+    p.add_argument("--sinks", type=int, default=None, help="attention sinks (streaming)")
+
+
+def build_policy(name: str, args: argparse.Namespace) -> Policy:
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "sinks", None) is not None:
+        kwargs["sinks"] = args.sinks
+    return make_policy(name, None if name == "full" else args.budget, **kwargs)
+
+
+def load(args: argparse.Namespace):
+    from kvjax.weights import load_model
+
+    return load_model(args.model, dtype=DTYPES[args.dtype])
+
+
+def emit(rows: list[dict[str, Any]] | dict[str, Any], *, as_json: bool, title: str,
+         out: str | None = None) -> None:
+    """Print JSON (machine-readable) or a table; optionally also write JSON to a file."""
+    if dataclasses.is_dataclass(rows):
+        rows = dataclasses.asdict(rows)
+    text = json.dumps(rows, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    if as_json:
+        print(text)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    items = rows if isinstance(rows, list) else [rows]
+    table = Table(title=title)
+    keys = list(items[0])
+    for k in keys:
+        table.add_column(k)
+    for r in items:
+        table.add_row(*(_fmt(r[k]) for k in keys))
+    Console(file=sys.stdout, width=200).print(table)
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.4e}"
+    return str(x)

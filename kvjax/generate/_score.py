@@ -1,0 +1,115 @@
+"""Teacher-forced scoring through the policy's cache (perplexity as in generation).
+
+Token t+1 is predicted from the *compressed* cache after tokens 0..t were fed, exactly as in
+decoding; with `chunk=1` every token is its own decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.attention import Implementation
+from kvjax.cache import Cache, CacheSpec, init_cache, live_slots_per_layer
+from kvjax.generate._step import model_step
+from kvjax.models import ModelConfig, Params
+from kvjax.policies import Policy
+
+Array = jax.Array
+
+
+@struct.dataclass
+class ScoreOutput:
+    """Attributes:
+    nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1.
+    live_slots: [S-1, B, L] int32 occupied slots per layer when each prediction was made
+        (after the token that makes it was written).
+    cache: the final cache.
+    """
+
+    nll: Array
+    live_slots: Array
+    cache: Cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _score_segment(config: ModelConfig, policy: Policy, chunk: int, impl: Implementation,
+                   params: Params, cache: Cache, tokens: Array, targets: Array, valid: Array):
+    """Feed a segment [B, K] chunk by chunk; NLL of each token's target. Cache is donated."""
+    b, k = tokens.shape
+
+    def body(cache, xs):
+        tok, tgt, val = xs  # each [B, chunk]
+        logits, cache = model_step(config, policy, params, cache, tok, val, implementation=impl)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        live = live_slots_per_layer(cache)
+        return cache, (nll, jnp.broadcast_to(live[:, None, :], (b, chunk, live.shape[-1])))
+
+    split = lambda x: jnp.moveaxis(x.reshape(b, k // chunk, chunk), 1, 0)
+    cache, (nll, live) = jax.lax.scan(body, cache, (split(tokens), split(targets), split(valid)))
+    nll = jnp.moveaxis(nll, 0, 1).reshape(b, k)
+    live = jnp.moveaxis(live, 0, 1).reshape(b, k, -1)
+    return cache, nll, jnp.moveaxis(live, 0, 1)
+
+
+def score_tokens(config: ModelConfig, params: Params, tokens, *, policy: Policy, chunk: int = 1,
+                 segment: int = 256, cache_dtype=None, implementation: Implementation = "xla",
+                 progress: bool = False) -> ScoreOutput:
+    """Teacher-forced NLL of every token after the first, through the policy's cache.
+
+    Args:
+        config: model config.
+        params: model parameters.
+        tokens: [B, S] or [S] int token ids (S >= 2).
+        policy: the cache policy.
+        chunk: tokens fed per model call (1 = exact decode semantics).
+        segment: tokens per jitted call (a multiple of chunk); one compilation serves all.
+        cache_dtype: cache storage dtype (default: the params' dtype).
+        implementation: attention implementation.
+        progress: show a progress bar.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [S] or [B, S] with S >= 2, got shape {tokens.shape}")
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise ValueError(f"token ids must be in [0, {config.vocab_size}), got min "
+                         f"{tokens.min()} max {tokens.max()}")
+    if segment % chunk:
+        raise ValueError(f"segment ({segment}) must be a multiple of chunk ({chunk})")
+    if config.max_positions and tokens.shape[1] > config.max_positions:
+        raise ValueError(f"{tokens.shape[1]} tokens exceed the model's {config.max_positions} "
+                         "learned positions")
+    b, s = tokens.shape
+    n = s - 1  # predictions
+    n_pad = math.ceil(n / segment) * segment
+    inp = np.zeros((b, n_pad), np.int32)
+    tgt = np.zeros((b, n_pad), np.int32)
+    val = np.zeros((b, n_pad), bool)
+    inp[:, :n], tgt[:, :n], val[:, :n] = tokens[:, :-1], tokens[:, 1:], True
+    dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
+    spec = CacheSpec(batch=b, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                     capacities=policy.capacities(config.num_layers, n_pad), dtype=dtype)
+    cache = init_cache(spec, policy.init_state(b))
+    nlls, lives = [], []
+    bar = range(0, n_pad, segment)
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(bar, desc=f"ppl [{policy.name}]", unit="seg", total=n_pad // segment)
+    for start in bar:
+        sl = slice(start, start + segment)
+        cache, nll, live = _score_segment(config, policy, chunk, implementation, params, cache,
+                                          inp[:, sl], tgt[:, sl], val[:, sl])
+        nlls.append(nll)
+        lives.append(live)
+    nll = jnp.concatenate(nlls, axis=1)[:, :n]
+    live = jnp.concatenate(lives, axis=0)[:n]
+    return ScoreOutput(nll=nll, live_slots=live, cache=cache)

@@ -1,0 +1,52 @@
+"""One model call through the policy: forward (reads the cache) → policy writes new tokens.
+
+These are the pure building blocks for users who write their own jitted loops; `generate` and
+`score_tokens` are built from them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import Implementation
+from kvjax.cache import Cache
+from kvjax.models import ModelConfig, Params, forward
+from kvjax.policies import Policy
+
+Array = jax.Array
+
+
+def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache, tokens: Array,
+               valid: Array, *, query_weight: Array | None = None,
+               implementation: Implementation = "xla") -> tuple[Array, Cache]:
+    """Feed T tokens per sequence at positions cache.length + [0, T) and update the cache.
+
+    Args:
+        config: model config (static).
+        policy: cache policy (static).
+        params: model parameters.
+        cache: the cache before these tokens.
+        tokens: [B, T] int32.
+        valid: [B, T] bool; a sequence's valid tokens must be a prefix of its T (padding after).
+            Invalid tokens are not cached and do not advance the sequence.
+        query_weight: [B, T] weight of each query in the attention mass the policy sees.
+        implementation: attention implementation.
+
+    Returns:
+        logits [B, T, V] float32 and the updated cache. Pass the cache with
+        `donate_argnums` when calling this under your own jit so it is updated in place.
+    """
+    t = tokens.shape[1]
+    positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    out = forward(config, params, tokens, positions, valid, cache, query_weight=query_weight,
+                  implementation=implementation)
+    n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    state = policy.begin_step(cache.policy_state, last, n_valid > 0)
+    layers = tuple(
+        policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
+        for i, (layer, k, v, st) in enumerate(
+            zip(cache.layers, out.k_new, out.v_new, out.stats, strict=True)))
+    new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
+    return out.logits, new_cache

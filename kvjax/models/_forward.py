@@ -1,0 +1,108 @@
+"""Forward pass over the slot cache: (params, tokens, positions, cache) → logits, new K/V, stats.
+
+The forward pass only *reads* the cache. It returns each layer's new keys/values (after RoPE)
+and the attention mass on every slot; the policy then decides what to write. This lets a policy
+use the step's logits (CONF-KV's confidence) and keeps the model ignorant of policies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.attention import AttnStats, Implementation, attend
+from kvjax.cache import Cache
+from kvjax.models._config import Arch, ModelConfig
+from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
+from kvjax.models._params import GPT2Params, LlamaParams, Params
+
+Array = jax.Array
+
+
+@struct.dataclass
+class ForwardOutput:
+    """Attributes:
+    logits: [B, T, V] float32.
+    k_new: per layer [B, T, Hkv, D] keys after RoPE.
+    v_new: per layer [B, T, Hkv, D] values.
+    stats: per layer AttnStats.
+    """
+
+    logits: Array
+    k_new: tuple[Array, ...]
+    v_new: tuple[Array, ...]
+    stats: tuple[AttnStats, ...]
+
+
+def forward(config: ModelConfig, params: Params, tokens: Array, positions: Array, valid: Array,
+            cache: Cache, *, query_weight: Array | None = None,
+            implementation: Implementation = "xla") -> ForwardOutput:
+    """Run the model on T new tokens per sequence, attending over the cache plus themselves.
+
+    Args:
+        config: the model's static config.
+        params: LlamaParams or GPT2Params.
+        tokens: [B, T] int32 token ids.
+        positions: [B, T] int32 original positions.
+        valid: [B, T] bool, real token (False = padding; it is neither attended nor cached).
+        cache: the cache, holding only tokens before these.
+        query_weight: [B, T] weight of each query in the attention mass (default: valid).
+        implementation: attention implementation name.
+    """
+    attn = dict(query_weight=query_weight, implementation=implementation)
+    if config.arch == Arch.GPT2:
+        return _gpt2(config, params, tokens, positions, valid, cache, attn)
+    return _llama(config, params, tokens, positions, valid, cache, attn)
+
+
+def _split_heads(x: Array, h: int, d: int) -> Array:
+    return x.reshape(*x.shape[:-1], h, d)
+
+
+def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
+    ks, vs, stats = [], [], []
+    for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
+        h = rms_norm(x, lp.attn_norm, config.norm_eps)
+        q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, config.rope_theta)
+        k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, config.rope_theta)
+        v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
+        k = k.astype(layer_cache.k.dtype)
+        v = v.astype(layer_cache.v.dtype)
+        o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
+        x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
+        h = rms_norm(x, lp.mlp_norm, config.norm_eps)
+        gate = dense(h, lp.w_gate).astype(jnp.float32)
+        up = dense(h, lp.w_up).astype(jnp.float32)
+        x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
+        ks.append(k)
+        vs.append(v)
+        stats.append(st)
+    x = rms_norm(x, p.final_norm, config.norm_eps)
+    head = p.embed.T if p.lm_head is None else p.lm_head
+    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
+
+
+def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, attn):
+    hq, d = config.num_heads, config.head_dim
+    x = jnp.take(p.wte, tokens, axis=0) + jnp.take(p.wpe, positions, axis=0)
+    ks, vs, stats = [], [], []
+    for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
+        h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
+        qkv = dense(h, lp.w_qkv, lp.b_qkv)
+        q, k, v = (_split_heads(a, hq, d) for a in jnp.split(qkv, 3, axis=-1))
+        k = k.astype(layer_cache.k.dtype)
+        v = v.astype(layer_cache.v.dtype)
+        o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
+        x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
+        h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
+        x = x + dense(gelu_tanh(dense(h, lp.w_fc, lp.b_fc)), lp.w_proj, lp.b_proj)
+        ks.append(k)
+        vs.append(v)
+        stats.append(st)
+    x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
+    logits = jnp.einsum("bte,ve->btv", x, p.wte, preferred_element_type=jnp.float32)
+    return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))

@@ -1,0 +1,61 @@
+"""Small pure building blocks shared by the model families."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _expand(w: Array, like: Array) -> Array:
+    """A [E] vector as float32 with leading unit axes to match `like` (explicit ranks)."""
+    return w.astype(jnp.float32).reshape((1,) * (like.ndim - 1) + w.shape)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm computed in float32, returned in x's dtype. x: [..., E], weight: [E]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * _expand(weight, y)).astype(x.dtype)
+
+
+def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm computed in float32, returned in x's dtype. x: [..., E]."""
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(var + eps)
+    return (y * _expand(weight, y) + _expand(bias, y)).astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama.
+
+    Args:
+        x: [B, T, H, D].
+        positions: [B, T] int32 original token positions.
+        theta: RoPE base.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def gelu_tanh(x: Array) -> Array:
+    """GPT-2's GELU (tanh approximation), in float32."""
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+def dense(x: Array, w: Array, b: Array | None = None) -> Array:
+    """x: [..., In] @ w: [In, Out] (+ b: [Out]) with float32 accumulation."""
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + _expand(b, y)
+    return y.astype(x.dtype)

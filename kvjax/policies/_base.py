@@ -1,0 +1,86 @@
+"""The policy contract. A policy is a frozen keyword-only dataclass of hyperparameters with pure
+methods; the generate loop calls them inside one jit.
+
+Per step: the model reads the cache and returns each layer's new K/V and attention mass; then
+`begin_step` sees the step's logits (budget decisions), and `write` updates each layer's slots.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import AttnStats
+from kvjax.cache import LayerCache, write_slots
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy(abc.ABC):
+    """Base of every cache policy. Subclasses set `name` and implement `capacity` and `write`."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def capacity(self, max_len: int) -> int:
+        """Slots per KV head needed for sequences of at most `max_len` tokens."""
+
+    def capacities(self, num_layers: int, max_len: int) -> tuple[int, ...]:
+        """Slots per KV head for each layer (pyramidal policies override)."""
+        return (self.capacity(max_len),) * num_layers
+
+    def init_state(self, batch: int) -> Any:
+        """Policy-wide state carried in the cache (None if the policy needs none)."""
+        del batch
+        return None
+
+    def begin_step(self, state: Any, logits: Array, valid: Array) -> Any:
+        """Update policy-wide state from this step's next-token logits [B, V] (valid: [B])."""
+        del logits, valid
+        return state
+
+    @abc.abstractmethod
+    def write(self, layer: LayerCache, k_new: Array, v_new: Array, pos_new: Array,
+              valid: Array, stats: AttnStats, state: Any, *, layer_index: int) -> LayerCache:
+        """Insert this call's tokens (evicting as needed) and update slot scores.
+
+        Args:
+            layer: the layer's cache before this call.
+            k_new: [B, T, Hkv, D] new keys after RoPE.
+            v_new: [B, T, Hkv, D] new values.
+            pos_new: [B, T] int32 positions of the new tokens.
+            valid: [B, T] bool, real token (padding and finished sequences are never written).
+            stats: attention mass of this call's queries on the old slots and new tokens.
+            state: the policy-wide state after `begin_step`.
+            layer_index: which layer (for per-layer budgets).
+        """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PositionalPolicy(Policy):
+    """A policy whose slot for a token depends only on its position (full, window, sinks)."""
+
+    @abc.abstractmethod
+    def slot_of(self, pos: Array, capacity: int) -> Array:
+        """Slot index for positions `pos` (int32 array of any shape)."""
+
+    def survives(self, pos: Array, last_pos: Array, capacity: int) -> Array:
+        """Whether a token at `pos` is still cached once `last_pos` has been written."""
+        del last_pos, capacity
+        return jnp.ones(pos.shape, bool)
+
+    def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
+        del stats, state, layer_index
+        c = layer.capacity
+        last = jnp.max(jnp.where(valid, pos_new, -1), axis=1, keepdims=True)  # [B, 1]
+        # Tokens overwritten later in the same chunk are dropped (a scatter with duplicate
+        # indices has no defined order).
+        keep = valid & self.survives(pos_new, last, c)
+        slots = jnp.where(keep, self.slot_of(pos_new, c), c)  # [B, T]
+        slots = jnp.broadcast_to(slots[:, :, None], (*slots.shape, k_new.shape[2]))
+        return write_slots(layer, k_new, v_new, pos_new, slots)

@@ -1,0 +1,50 @@
+"""Strict JAX settings for every test, and shared fixtures.
+
+Two fake CPU devices (sharding tests), rank promotion raises, dtype promotion strict.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.load_profile("ci")
+
+GOLDENS = pathlib.Path(__file__).parent / "goldens"
+
+
+@pytest.fixture(scope="session")
+def goldens() -> pathlib.Path:
+    return GOLDENS
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded default model, loaded once per test session (float32)."""
+    from kvjax.weights import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from kvjax.models import TINY_LLAMA, init_params
+
+    return TINY_LLAMA, init_params(TINY_LLAMA, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2():
+    from kvjax.models import TINY_GPT2, init_params
+
+    return TINY_GPT2, init_params(TINY_GPT2, jax.random.key(1))
