@@ -40,7 +40,8 @@ class DecodeBench:
     live_kv_bytes: int
     physical_kv_bytes: int
     floor_ms: float  # (weights + live KV) bytes / measured copy bandwidth
-    copy_gbps: float
+    copy_gbps: float  # measured device copy bandwidth (bytes read + written)
+    achieved_gbps: float  # (weights + live KV) bytes read per step / time per step
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
@@ -121,4 +122,5 @@ def bench_decode(config: ModelConfig, params: Params, policy: Policy, *, context
         steps=steps, dtype=str(np.dtype(dtype)), device=jax.devices()[0].device_kind,
         ms_per_step=sec * 1e3, tokens_per_s=batch / sec, weight_bytes=int(w_bytes),
         live_kv_bytes=kv_live, physical_kv_bytes=kv_phys,
-        floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3, copy_gbps=bw)
+        floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3, copy_gbps=bw,
+        achieved_gbps=(w_bytes + kv_live) / sec / 1e9)

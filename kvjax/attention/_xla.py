@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
 from kvjax.cache import LayerCache
 
@@ -35,8 +36,8 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
     f32 = jnp.float32
-    s_cache = jnp.einsum("bthgd,bhcd->bhgtc", qg, layer.k, preferred_element_type=f32) * scale
-    s_new = jnp.einsum("bthgd,bshd->bhgts", qg, k_new, preferred_element_type=f32) * scale
+    s_cache = einsum_f32("bthgd,bhcd->bhgtc", qg, layer.k) * scale
+    s_new = einsum_f32("bthgd,bshd->bhgts", qg, k_new) * scale
     # [B, Hkv, 1, T, C]: a slot is visible if occupied and not after the query.
     vis_cache = (layer.pos[:, :, None, None, :] >= 0) & (
         layer.pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
@@ -51,10 +52,8 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     denom = jnp.sum(p_cache, axis=-1) + jnp.sum(p_new, axis=-1)  # [B, Hkv, G, T]
     p_cache = p_cache / denom[..., None]
     p_new = p_new / denom[..., None]
-    out = (jnp.einsum("bhgtc,bhcd->bthgd", p_cache.astype(layer.v.dtype), layer.v,
-                      preferred_element_type=f32)
-           + jnp.einsum("bhgts,bshd->bthgd", p_new.astype(v_new.dtype), v_new,
-                        preferred_element_type=f32))
+    out = (einsum_f32("bhgtc,bhcd->bthgd", p_cache.astype(layer.v.dtype), layer.v)
+           + einsum_f32("bhgts,bshd->bthgd", p_new.astype(v_new.dtype), v_new))
     w = query_weight.astype(f32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     stats = AttnStats(
         slot_mass=jnp.sum(p_cache * w, axis=(2, 3)),

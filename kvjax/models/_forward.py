@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax._numerics import einsum_f32
 from kvjax.attention import AttnStats, Implementation, attend
 from kvjax.cache import Cache
 from kvjax.models._config import Arch, ModelConfig
@@ -82,7 +83,7 @@ def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache,
         stats.append(st)
     x = rms_norm(x, p.final_norm, config.norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
-    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    logits = einsum_f32("bte,ev->btv", x, head)
     return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
 
 
@@ -104,5 +105,5 @@ def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, a
         vs.append(v)
         stats.append(st)
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
-    logits = jnp.einsum("bte,ve->btv", x, p.wte, preferred_element_type=jnp.float32)
+    logits = einsum_f32("bte,ve->btv", x, p.wte)
     return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))

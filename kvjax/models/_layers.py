@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax._numerics import einsum_f32
+
 Array = jax.Array
 
 
@@ -55,7 +57,7 @@ def gelu_tanh(x: Array) -> Array:
 
 def dense(x: Array, w: Array, b: Array | None = None) -> Array:
     """x: [..., In] @ w: [In, Out] (+ b: [Out]) with float32 accumulation."""
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    y = einsum_f32("...i,io->...o", x, w)
     if b is not None:
         y = y + _expand(b, y)
     return y.astype(x.dtype)

@@ -1,0 +1,42 @@
+"""Pure-array KV quantization: INT8 symmetric, INT2/INT4 asymmetric (KIVI style), bit packing.
+
+The bottom of the import graph: nothing here imports the rest of kvjax. Every function is
+jit-compatible (bits, group and dtype are static), works for any leading axes and computes in
+float32.
+"""
+
+from kvjax.quant._checks import BITS
+from kvjax.quant._int8 import (
+    INT8_MAX,
+    dequantize_int8,
+    dequantize_int8_channel,
+    int8_bytes_per_token,
+    quantize_int8,
+    quantize_int8_channel,
+)
+from kvjax.quant._lowbit import (
+    bytes_per_token,
+    dequantize_per_channel,
+    dequantize_per_token,
+    quantize_per_channel,
+    quantize_per_token,
+)
+from kvjax.quant._pack import codes_per_byte, pack, unpack
+
+__all__ = [
+    "BITS",
+    "INT8_MAX",
+    "bytes_per_token",
+    "codes_per_byte",
+    "dequantize_int8",
+    "dequantize_int8_channel",
+    "dequantize_per_channel",
+    "dequantize_per_token",
+    "int8_bytes_per_token",
+    "pack",
+    "quantize_int8",
+    "quantize_int8_channel",
+    "quantize_per_channel",
+    "quantize_per_token",
+    "unpack",
+]

@@ -1,0 +1,173 @@
+"""Low-bit asymmetric quantization, KIVI / QEvict style: keys per channel, values per token.
+
+For every group of numbers (the statistics axis): levels = 2**bits - 1, scale = (max - min) /
+levels, zero = min, codes = clip(round((x - zero) / scale), 0, levels) as uint8, and
+x ≈ codes * scale + zero. Keys have outlier channels, so they are grouped per channel over a block
+of tokens; values are grouped per token over (groups of) channels (KIVI, Liu et al. 2024; QEvict
+uses one key group per (head, channel, window)). A constant group gets scale 0 and codes 0, and
+dequantizes to exactly its constant (the division uses 1 in place of a zero scale). Everything is
+computed in float32; bits 8 is the same scheme with unsigned codes 0..255.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.quant._checks import as_codes, as_float, as_stat, check_bits, check_out_dtype
+from kvjax.quant._pack import codes_per_byte
+
+Array = jax.Array
+
+
+def _asymmetric(x: Array, bits: int, axis: int) -> tuple[Array, Array, Array]:
+    """codes uint8 shaped like x; scale, zero float32 with `axis` reduced (kept as size 1)."""
+    levels = (1 << check_bits(bits)) - 1
+    xf = x.astype(jnp.float32)
+    zero = jnp.min(xf, axis=axis, keepdims=True)
+    scale = (jnp.max(xf, axis=axis, keepdims=True) - zero) / levels
+    safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    codes = jnp.clip(jnp.round((xf - zero) / safe), 0, levels).astype(jnp.uint8)
+    return codes, scale, zero
+
+
+def quantize_per_channel(x: Array, bits: int) -> tuple[Array, Array, Array]:
+    """Asymmetric quantization with statistics per channel over a group of T tokens (keys).
+
+    Args:
+        x: [..., T, D] any float dtype, the T tokens of one group (e.g. a QEvict window).
+        bits: 2, 4 or 8 (static).
+
+    Returns:
+        codes: [..., T, D] uint8 in [0, 2**bits - 1].
+        scale: [..., D] float32, (max - min) / (2**bits - 1) over T.
+        zero: [..., D] float32, min over T.
+    """
+    x = as_float(x, "x")
+    if x.ndim < 2 or x.shape[-2] == 0:
+        raise ValueError(f"x must be [..., T, D] with T >= 1, got shape {x.shape}")
+    codes, scale, zero = _asymmetric(x, bits, axis=-2)
+    return codes, scale[..., 0, :], zero[..., 0, :]
+
+
+def dequantize_per_channel(
+    codes: Array, scale: Array, zero: Array, dtype: Any = jnp.float32
+) -> Array:
+    """Inverse of `quantize_per_channel`.
+
+    Args:
+        codes: [..., T, D] uint8 (unpacked).
+        scale: [..., D] float.
+        zero: [..., D] float.
+        dtype: dtype of the result.
+
+    Returns:
+        [..., T, D] `dtype`, codes * scale + zero computed in float32.
+    """
+    codes = as_codes(codes, jnp.uint8, "codes")
+    if codes.ndim < 2:
+        raise ValueError(f"codes must be [..., T, D], got shape {codes.shape}")
+    stat_shape = codes.shape[:-2] + codes.shape[-1:]
+    scale = as_stat(scale, stat_shape, "scale")
+    zero = as_stat(zero, stat_shape, "zero")
+    out = codes.astype(jnp.float32) * scale[..., None, :] + zero[..., None, :]
+    return out.astype(check_out_dtype(dtype))
+
+
+def quantize_per_token(x: Array, bits: int, group: int | None = None) -> tuple[Array, Array, Array]:
+    """Asymmetric quantization with statistics per token over groups of channels (values).
+
+    Args:
+        x: [..., D] any float dtype.
+        bits: 2, 4 or 8 (static).
+        group: channels per group (static); must divide D. None: one group of all D channels.
+
+    Returns:
+        codes: [..., D] uint8 in [0, 2**bits - 1].
+        scale: [..., D // group] float32 (None: [..., 1]).
+        zero: [..., D // group] float32 (None: [..., 1]).
+    """
+    x = as_float(x, "x")
+    d = x.shape[-1]
+    group = d if group is None else group
+    if group <= 0 or d % group:
+        raise ValueError(f"group must be > 0 and divide D={d}, got group={group}")
+    grouped = x.reshape(*x.shape[:-1], d // group, group)
+    codes, scale, zero = _asymmetric(grouped, bits, axis=-1)
+    return codes.reshape(x.shape), scale[..., 0], zero[..., 0]
+
+
+def dequantize_per_token(
+    codes: Array, scale: Array, zero: Array, dtype: Any = jnp.float32
+) -> Array:
+    """Inverse of `quantize_per_token`; the group size is D // scale.shape[-1].
+
+    Args:
+        codes: [..., D] uint8 (unpacked).
+        scale: [..., D // group] float.
+        zero: [..., D // group] float.
+        dtype: dtype of the result.
+
+    Returns:
+        [..., D] `dtype`, codes * scale + zero computed in float32.
+    """
+    codes = as_codes(codes, jnp.uint8, "codes")
+    d = codes.shape[-1]
+    num_groups = jnp.shape(scale)[-1] if jnp.ndim(scale) else 0
+    if num_groups <= 0 or d % num_groups:
+        raise ValueError(f"scale's last axis must divide D={d}, got scale shape {jnp.shape(scale)}")
+    stat_shape = codes.shape[:-1] + (num_groups,)
+    scale = as_stat(scale, stat_shape, "scale")
+    zero = as_stat(zero, stat_shape, "zero")
+    grouped = codes.reshape(*stat_shape, d // num_groups).astype(jnp.float32)
+    out = grouped * scale[..., None] + zero[..., None]
+    return out.reshape(codes.shape).astype(check_out_dtype(dtype))
+
+
+def bytes_per_token(
+    head_dim: int,
+    bits: int,
+    *,
+    key_group: int,
+    value_group: int | None,
+    scale_bytes: int = 4,
+) -> float:
+    """Exact storage of one token of one KV head: packed K and V codes plus amortized statistics.
+
+    With D = head_dim and s = scale_bytes:
+
+        bytes = 2 * D * bits / 8            # packed K and V codes
+              + 2 * s * D / key_group       # K: scale and zero per channel, shared by key_group
+              + 2 * s * (D / value_group)   # V: scale and zero per channel group of this token
+
+    value_group None counts one value group (D / value_group = 1). E.g. D 64, bits 2, key_group 32,
+    value_group 32, float32 statistics: 32 + 16 + 16 = 64 bytes, vs 256 for bfloat16 K and V.
+
+    Args:
+        head_dim: D; must be a multiple of 8 // bits (so codes pack into whole bytes).
+        bits: 2, 4 or 8.
+        key_group: tokens sharing one key scale/zero per channel (T of `quantize_per_channel`).
+        value_group: channels per value group (`group` of `quantize_per_token`); must divide D.
+        scale_bytes: bytes of one stored scale or zero (4 for float32, 2 for bfloat16).
+    """
+    n = codes_per_byte(bits)
+    if head_dim <= 0 or head_dim % n:
+        raise ValueError(
+            f"head_dim must be a positive multiple of {n} for {bits}-bit codes, "
+            f"got head_dim={head_dim}"
+        )
+    if key_group <= 0:
+        raise ValueError(f"key_group must be > 0, got {key_group}")
+    value_group = head_dim if value_group is None else value_group
+    if value_group <= 0 or head_dim % value_group:
+        raise ValueError(
+            f"value_group must be > 0 and divide head_dim={head_dim}, got {value_group}"
+        )
+    if scale_bytes < 0:
+        raise ValueError(f"scale_bytes must be >= 0, got {scale_bytes}")
+    codes = 2 * head_dim * bits // 8
+    key_stats = 2 * scale_bytes * head_dim / key_group
+    value_stats = 2 * scale_bytes * (head_dim // value_group)
+    return float(codes + key_stats + value_stats)

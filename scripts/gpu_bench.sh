@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Decode benchmarks on a GPU machine whose Python already has jax[cuda], flax, numpy, rich, tqdm
+# (the lent H200 image). kvjax is staged on PYTHONPATH rather than pip-installed, so nothing is
+# built there. Results: JSON under $OUT (default runs/gpu). Numbers go to docs/benchmarks.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
+if compgen -G ".whl/*.whl" >/dev/null; then  # wheels missing on that image (gguf)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+stage=/tmp/kvjax-stage
+rm -rf "$stage" && mkdir -p "$stage"
+cp -r kvjax "$stage/kvjax"
+cp -r eval "$stage/kvjax/eval"
+cp -r train "$stage/kvjax/train"
+cp -r pallas_kernels "$stage/kvjax/pallas_kernels"
+export PYTHONPATH="$stage:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
+# Run from /tmp so the repo folder does not shadow the staged package.
+run() { echo "+ kvjax $*"; (cd /tmp && python3 -m kvjax "$@"); }
+case "${1:-foundation}" in
+  foundation)
+    run bench decode --preset Llama-3-8B --dtype bfloat16 --policy full window --budget 4096 \
+      --contexts 32768 --batch 8 --steps 32 --copy-mib 4096 --out "$OUT/decode_llama3_8b_b8.json"
+    run bench decode --preset Llama-3-8B --dtype bfloat16 --policy full --contexts 32768 \
+      --batch 1 --steps 32 --copy-mib 4096 --out "$OUT/decode_llama3_8b_b1.json"
+    run bench decode --preset SmolLM2-135M --dtype bfloat16 --policy full window --budget 256 \
+      --contexts 1024 4096 --batch 1 --steps 64 --copy-mib 4096 --out "$OUT/decode_smollm2.json"
+    ;;
+  *) echo "unknown suite $1" >&2; exit 2 ;;
+esac
