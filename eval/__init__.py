@@ -1,9 +1,53 @@
-"""Evaluation: perplexity through the compressed cache, decode benchmarks (more to come).
+"""Evaluation: perplexity through the compressed cache, decode benchmarks, needle in a haystack.
 
 Installed as `kvjax.eval`; uses only kvjax's public API.
 """
 
 from kvjax.eval._bench import DecodeBench, bench_decode
+from kvjax.eval._niah import (
+    NiahCell,
+    NiahResult,
+    generate_from_cache,
+    prefill_cache,
+    run_niah,
+)
+from kvjax.eval._niah_plot import niah_summary_rows, plot_niah_heatmap, write_niah_outputs
+from kvjax.eval._niah_prompt import (
+    NEEDLE,
+    QUESTION,
+    SCORING_RULE,
+    NiahPrompt,
+    NiahProtocol,
+    NiahTemplate,
+    build_niah_prompt,
+    check_niah_grid,
+    insert_needle,
+    score_niah_answer,
+)
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
 
-__all__ = ["DecodeBench", "PplResult", "bench_decode", "essay_tokens", "run_ppl"]
+__all__ = [
+    "NEEDLE",
+    "QUESTION",
+    "SCORING_RULE",
+    "DecodeBench",
+    "NiahCell",
+    "NiahPrompt",
+    "NiahProtocol",
+    "NiahResult",
+    "NiahTemplate",
+    "PplResult",
+    "bench_decode",
+    "build_niah_prompt",
+    "check_niah_grid",
+    "essay_tokens",
+    "generate_from_cache",
+    "insert_needle",
+    "niah_summary_rows",
+    "plot_niah_heatmap",
+    "prefill_cache",
+    "run_niah",
+    "run_ppl",
+    "score_niah_answer",
+    "write_niah_outputs",
+]

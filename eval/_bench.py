@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import AttnStats
-from kvjax.cache import Cache, CacheSpec, init_cache, live_bytes, physical_bytes
-from kvjax.generate import model_step
+from kvjax.cache import Cache, live_bytes, physical_bytes
+from kvjax.generate import model_step, new_cache
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 
@@ -98,10 +98,7 @@ def bench_decode(config: ModelConfig, params: Params, policy: Policy, *, context
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    spec = CacheSpec(batch=batch, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                     capacities=policy.capacities(config.num_layers, context + 2 * steps + 1),
-                     dtype=dtype)
-    cache = init_cache(spec, policy.init_state(batch))
+    cache = new_cache(config, policy, batch=batch, max_len=context + 2 * steps + 1, dtype=dtype)
     key = jax.random.key(0)
     for _ in range(context // fill_chunk):
         key, sub = jax.random.split(key)

@@ -1,4 +1,8 @@
-"""Plain-jnp attention over the slot cache plus this call's new tokens (the reference path)."""
+"""Plain-jnp attention over the slot cache plus this call's new tokens (the reference path).
+
+Quantized tiers are dequantized in XLA and attended together with the full-precision slots in one
+softmax; the Pallas kernels fuse that dequantization into their loads instead.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import jax.numpy as jnp
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
 from kvjax.cache import LayerCache
+from kvjax.quant import dequantize_int8
 
 Array = jax.Array
 
@@ -16,7 +21,7 @@ _NEG = -1e30
 
 def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array,
                new_valid: Array, query_weight: Array, *, scale: float) -> tuple[Array, AttnStats]:
-    """Softmax attention of T queries over [cache slots ‖ new tokens].
+    """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ new tokens].
 
     Args:
         q: [B, T, Hq, D] queries (after RoPE).
@@ -33,31 +38,36 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     """
     b, t, hq, d = q.shape
     hkv = layer.k.shape[1]
-    g = hq // hkv
-    qg = q.reshape(b, t, hkv, g, d)
-    f32 = jnp.float32
-    s_cache = einsum_f32("bthgd,bhcd->bhgtc", qg, layer.k) * scale
-    s_new = einsum_f32("bthgd,bshd->bhgts", qg, k_new) * scale
-    # [B, Hkv, 1, T, C]: a slot is visible if occupied and not after the query.
-    vis_cache = (layer.pos[:, :, None, None, :] >= 0) & (
-        layer.pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
-    # [B, 1, 1, T, S]: a new token is visible if real and not after the query (causal).
-    vis_new = new_valid[:, None, None, None, :] & (
-        q_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
-    s_cache = jnp.where(vis_cache, s_cache, _NEG)
-    s_new = jnp.where(vis_new, s_new, _NEG)
-    m = jnp.maximum(jnp.max(s_cache, axis=-1), jnp.max(s_new, axis=-1))  # [B, Hkv, G, T]
-    p_cache = jnp.exp(s_cache - m[..., None])
-    p_new = jnp.exp(s_new - m[..., None])
-    denom = jnp.sum(p_cache, axis=-1) + jnp.sum(p_new, axis=-1)  # [B, Hkv, G, T]
-    p_cache = p_cache / denom[..., None]
-    p_new = p_new / denom[..., None]
-    out = (einsum_f32("bhgtc,bhcd->bthgd", p_cache.astype(layer.v.dtype), layer.v)
-           + einsum_f32("bhgts,bshd->bthgd", p_new.astype(v_new.dtype), v_new))
-    w = query_weight.astype(f32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    qpos = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    # Segments of keys: (keys [B, Hkv, S, D] or new-token keys, values, visibility mask).
+    cache_segs = [(layer.k, layer.v, layer.pos)]
+    if layer.int8 is not None:
+        t8 = layer.int8
+        cache_segs.append((dequantize_int8(t8.k, t8.k_scale, q.dtype),
+                           dequantize_int8(t8.v, t8.v_scale, q.dtype), t8.pos))
+    scores, masks = [], []
+    for k, _, pos in cache_segs:
+        scores.append(einsum_f32("bthgd,bhcd->bhgtc", qg, k) * scale)
+        p = pos[:, :, None, None, :]
+        masks.append((p >= 0) & (p <= qpos))  # occupied and not after the query
+    scores.append(einsum_f32("bthgd,bshd->bhgts", qg, k_new) * scale)
+    masks.append(new_valid[:, None, None, None, :]
+                 & (q_pos[:, None, None, None, :] <= qpos))  # causal within the call
+    scores = [jnp.where(m, s, _NEG) for s, m in zip(scores, masks, strict=True)]
+    m = scores[0].max(axis=-1)
+    for s in scores[1:]:
+        m = jnp.maximum(m, s.max(axis=-1))  # [B, Hkv, G, T]
+    probs = [jnp.exp(s - m[..., None]) for s in scores]
+    denom = sum(p.sum(axis=-1) for p in probs)
+    probs = [p / denom[..., None] for p in probs]
+    out = sum(einsum_f32("bhgtc,bhcd->bthgd", p.astype(v.dtype), v)
+              for p, (_, v, _) in zip(probs[:-1], cache_segs, strict=True))
+    out = out + einsum_f32("bhgts,bshd->bthgd", probs[-1].astype(v_new.dtype), v_new)
+    w = query_weight.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    mass = [jnp.sum(p * w, axis=(2, 3)) for p in probs]
     stats = AttnStats(
-        slot_mass=jnp.sum(p_cache * w, axis=(2, 3)),
-        new_mass=jnp.sum(p_new * w, axis=(2, 3)),
+        slot_mass=mass[0], new_mass=mass[-1],
         lse=jnp.transpose(m + jnp.log(denom), (0, 3, 1, 2)).reshape(b, t, hq),
-    )
+        int8_mass=mass[1] if layer.int8 is not None else None)
     return out.reshape(b, t, hq, d).astype(q.dtype), stats

@@ -1,6 +1,7 @@
 """Fixed-shape KV cache state and its memory accounting."""
 
 from kvjax.cache._bytes import (
+    TIERS,
     layer_slot_bytes,
     live_bytes,
     live_slots_per_layer,
@@ -9,12 +10,14 @@ from kvjax.cache._bytes import (
     slots_to_bytes,
 )
 from kvjax.cache._ops import write_slots
-from kvjax.cache._state import EMPTY, Cache, CacheSpec, LayerCache, init_cache
+from kvjax.cache._state import EMPTY, Cache, CacheSpec, Int8Tier, LayerCache, init_cache
 
 __all__ = [
     "EMPTY",
+    "TIERS",
     "Cache",
     "CacheSpec",
+    "Int8Tier",
     "LayerCache",
     "init_cache",
     "layer_slot_bytes",

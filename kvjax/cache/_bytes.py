@@ -18,13 +18,20 @@ from kvjax.cache._state import Cache, LayerCache
 Array = jax.Array
 
 
-def layer_slot_bytes(layer: LayerCache) -> int:
-    """Bytes of K and V data in one slot of one KV head of this layer."""
-    return layer.k.shape[-1] * layer.k.dtype.itemsize + layer.v.shape[-1] * layer.v.dtype.itemsize
+TIERS = ("full", "int8")  # order of the tier axis in slot counts
+
+
+def layer_slot_bytes(layer: LayerCache) -> tuple[int, int]:
+    """K/V bytes of one slot of one KV head of this layer, per tier (0 for an absent tier).
+
+    Full precision: 2·D·itemsize. INT8: 2·D codes + two float32 scales.
+    """
+    full = layer.k.shape[-1] * layer.k.dtype.itemsize + layer.v.shape[-1] * layer.v.dtype.itemsize
+    return full, 0 if layer.int8 is None else layer.int8.slot_bytes()
 
 
 def slot_bytes_per_layer(cache: Cache) -> np.ndarray:
-    """[L] int64: K/V bytes of one slot of one KV head, per layer."""
+    """[L, 2] int64: K/V bytes of one slot of one KV head, per layer and tier."""
     return np.array([layer_slot_bytes(layer) for layer in cache.layers], np.int64)
 
 
@@ -33,16 +40,24 @@ def physical_bytes(cache: Cache) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)))
 
 
+def _layer_tier_slots(layer: LayerCache) -> Array:
+    """[B, 2] int32 occupied slots per tier, summed over KV heads."""
+    full = jnp.sum(layer.live_slots(), axis=-1)
+    q = jnp.zeros_like(full) if layer.int8 is None else jnp.sum(layer.int8.live_slots(), axis=-1)
+    return jnp.stack([full, q], axis=-1)
+
+
 def live_slots_per_layer(cache: Cache) -> Array:
-    """[B, L] int32: occupied slots of each layer, summed over KV heads (jit-friendly)."""
-    return jnp.stack([jnp.sum(layer.live_slots(), axis=-1) for layer in cache.layers], axis=-1)
+    """[B, L, 2] int32: occupied slots per layer and tier (full, int8), summed over KV heads."""
+    return jnp.stack([_layer_tier_slots(layer) for layer in cache.layers], axis=1)
 
 
-def slots_to_bytes(slots_per_layer, slot_bytes: np.ndarray) -> np.ndarray:
-    """[..., L] slot counts → [...] int64 live bytes."""
-    return np.asarray(slots_per_layer, np.int64) @ slot_bytes
+def slots_to_bytes(slots, slot_bytes: np.ndarray) -> np.ndarray:
+    """[..., L, 2] slot counts and [L, 2] slot bytes → [...] int64 live bytes."""
+    s = np.asarray(slots, np.int64)
+    return np.sum(s * np.asarray(slot_bytes, np.int64), axis=(-2, -1))
 
 
 def live_bytes(cache: Cache) -> np.ndarray:
-    """[B] int64: K/V bytes of occupied slots, summed over layers and KV heads (host side)."""
+    """[B] int64: K/V bytes of occupied slots, all tiers, layers, KV heads (host side)."""
     return slots_to_bytes(live_slots_per_layer(cache), slot_bytes_per_layer(cache))

@@ -30,6 +30,7 @@ class CacheSpec:
         head_dim: D.
         capacities: C per layer (a tuple of L ints; pyramidal policies give layers different C).
         dtype: storage dtype of the full-precision tier.
+        int8_capacities: slots of the INT8 tier per layer (None: no INT8 tier).
     """
 
     batch: int
@@ -37,6 +38,7 @@ class CacheSpec:
     head_dim: int
     capacities: tuple[int, ...]
     dtype: Any = jnp.float32
+    int8_capacities: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -45,6 +47,11 @@ class CacheSpec:
         if not self.capacities or min(self.capacities) <= 0:
             raise ValueError(f"CacheSpec.capacities must be non-empty and > 0, "
                              f"got {self.capacities}")
+        if self.int8_capacities is not None and (
+                len(self.int8_capacities) != len(self.capacities)
+                or min(self.int8_capacities) <= 0):
+            raise ValueError(f"CacheSpec.int8_capacities must give one capacity > 0 per layer, "
+                             f"got {self.int8_capacities}")
 
     @property
     def num_layers(self) -> int:
@@ -57,20 +64,55 @@ class CacheSpec:
 
 
 @struct.dataclass
+class Int8Tier:
+    """Slots stored as symmetric INT8, one scale per token and KV head (written once).
+
+    Attributes:
+        k: [B, Hkv, Cq, D] int8 key codes (keys after RoPE).
+        v: [B, Hkv, Cq, D] int8 value codes.
+        k_scale: [B, Hkv, Cq] float32 (key = k * k_scale).
+        v_scale: [B, Hkv, Cq] float32.
+        pos: [B, Hkv, Cq] int32 original positions; EMPTY if free.
+        score: [B, Hkv, Cq] float32 policy score.
+    """
+
+    k: Array
+    v: Array
+    k_scale: Array
+    v_scale: Array
+    pos: Array
+    score: Array
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[-1]
+
+    def live_slots(self) -> Array:
+        """[B, Hkv] int32 occupied slots."""
+        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
+
+    def slot_bytes(self) -> int:
+        """K/V bytes of one slot of one KV head: codes plus their scales."""
+        return (self.k.shape[-1] + self.v.shape[-1]) * 1 + 2 * self.k_scale.dtype.itemsize
+
+
+@struct.dataclass
 class LayerCache:
-    """One layer's slots.
+    """One layer's slots: a full-precision tier and an optional INT8 tier.
 
     Attributes:
         k: [B, Hkv, C, D] keys after RoPE.
         v: [B, Hkv, C, D] values.
         pos: [B, Hkv, C] int32 original position of the token in each slot; EMPTY (-1) if free.
         score: [B, Hkv, C] float32, the policy's per-slot score (its meaning is the policy's).
+        int8: the INT8 tier, or None.
     """
 
     k: Array
     v: Array
     pos: Array
     score: Array
+    int8: Int8Tier | None = None
 
     @property
     def capacity(self) -> int:
@@ -108,9 +150,19 @@ class Cache:
 def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
     """An empty cache: all slots EMPTY, all data zero."""
     b, h, d = spec.batch, spec.num_kv_heads, spec.head_dim
+    q_caps = spec.int8_capacities or (None,) * spec.num_layers
     layers = tuple(
         LayerCache(k=jnp.zeros((b, h, c, d), spec.dtype), v=jnp.zeros((b, h, c, d), spec.dtype),
                    pos=jnp.full((b, h, c), EMPTY, jnp.int32),
-                   score=jnp.zeros((b, h, c), jnp.float32))
-        for c in spec.capacities)
+                   score=jnp.zeros((b, h, c), jnp.float32),
+                   int8=None if cq is None else _empty_int8(b, h, cq, d))
+        for c, cq in zip(spec.capacities, q_caps, strict=True))
     return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
+
+
+def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
+    return Int8Tier(k=jnp.zeros((b, h, c, d), jnp.int8), v=jnp.zeros((b, h, c, d), jnp.int8),
+                    k_scale=jnp.zeros((b, h, c), jnp.float32),
+                    v_scale=jnp.zeros((b, h, c), jnp.float32),
+                    pos=jnp.full((b, h, c), EMPTY, jnp.int32),
+                    score=jnp.zeros((b, h, c), jnp.float32))

@@ -35,13 +35,16 @@ class Telemetry:
 
     Attributes:
         confidence: [N, B] float32 CONF-KV confidence of the distribution the token came from.
-        live_slots: [N, B, L] int32 occupied slots per layer (summed over KV heads) after the step.
+        live_slots: [N, B, L, 2] int32 occupied slots per layer and tier (full, int8), summed
+            over KV heads, after the step.
+        budget: [N, B] int32 the policy's token budget chosen for the step (-1: fixed budget).
         steps: [] int32 number of decode steps run.
-        slot_bytes: [L] int32 K/V bytes of one slot of one KV head, per layer.
+        slot_bytes: [L, 2] int32 K/V bytes of one slot of one KV head, per layer and tier.
     """
 
     confidence: Array
     live_slots: Array
+    budget: Array
     steps: Array
     slot_bytes: Array
 
@@ -116,11 +119,11 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         if not 0 <= s < config.vocab_size:
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")
     dtype = gen.cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    spec = CacheSpec(batch=len(prompts), num_kv_heads=config.num_kv_heads,
-                     head_dim=config.head_dim,
-                     capacities=policy.capacities(config.num_layers, max_len), dtype=dtype)
-    return _generate(config, policy, gen, spec, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                     jax.random.key(seed))
+    spec = policy.cache_spec(batch=len(prompts), num_layers=config.num_layers,
+                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             max_len=max_len, dtype=dtype)
+    return _generate(config, policy, gen, spec, params, jnp.asarray(tokens),
+                     jnp.asarray(lengths), jax.random.key(seed))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -150,7 +153,8 @@ def _generate(config: ModelConfig, policy: Policy, gen: GenerateConfig, spec: Ca
 
     stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
     telemetry = Telemetry(confidence=jnp.zeros((n, b), jnp.float32),
-                          live_slots=jnp.zeros((n, b, config.num_layers), jnp.int32),
+                          live_slots=jnp.zeros((n, b, config.num_layers, 2), jnp.int32),
+                          budget=jnp.full((n, b), -1, jnp.int32),
                           steps=jnp.int32(0),
                           slot_bytes=jnp.asarray(slot_bytes_per_layer(cache), jnp.int32))
 
@@ -166,6 +170,8 @@ def _generate(config: ModelConfig, policy: Policy, gen: GenerateConfig, spec: Ca
         logits = logits[:, 0]
         tel = Telemetry(confidence=tel.confidence.at[step].set(jnp.where(done, 0.0, conf)),
                         live_slots=tel.live_slots.at[step].set(live_slots_per_layer(cache)),
+                        budget=tel.budget.at[step].set(
+                            policy.current_budget(cache.policy_state, b)),
                         steps=step + 1, slot_bytes=tel.slot_bytes)
         return step + 1, cache, logits, key, now_done, out, count, tel
 

@@ -15,8 +15,8 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache, CacheSpec, init_cache, live_slots_per_layer
-from kvjax.generate._step import model_step
+from kvjax.cache import Cache, live_slots_per_layer
+from kvjax.generate._step import model_step, new_cache
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 
@@ -27,8 +27,8 @@ Array = jax.Array
 class ScoreOutput:
     """Attributes:
     nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1.
-    live_slots: [S-1, B, L] int32 occupied slots per layer when each prediction was made
-        (after the token that makes it was written).
+    live_slots: [S-1, B, L, 2] int32 occupied slots per layer and tier when each prediction was
+        made (after the token that makes it was written).
     cache: the final cache.
     """
 
@@ -49,12 +49,12 @@ def _score_segment(config: ModelConfig, policy: Policy, chunk: int, impl: Implem
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
         live = live_slots_per_layer(cache)
-        return cache, (nll, jnp.broadcast_to(live[:, None, :], (b, chunk, live.shape[-1])))
+        return cache, (nll, jnp.broadcast_to(live[:, None], (b, chunk, *live.shape[1:])))
 
     split = lambda x: jnp.moveaxis(x.reshape(b, k // chunk, chunk), 1, 0)
     cache, (nll, live) = jax.lax.scan(body, cache, (split(tokens), split(targets), split(valid)))
     nll = jnp.moveaxis(nll, 0, 1).reshape(b, k)
-    live = jnp.moveaxis(live, 0, 1).reshape(b, k, -1)
+    live = jnp.moveaxis(live, 0, 1).reshape(b, k, *live.shape[-2:])
     return cache, nll, jnp.moveaxis(live, 0, 1)
 
 
@@ -95,9 +95,7 @@ def score_tokens(config: ModelConfig, params: Params, tokens, *, policy: Policy,
     val = np.zeros((b, n_pad), bool)
     inp[:, :n], tgt[:, :n], val[:, :n] = tokens[:, :-1], tokens[:, 1:], True
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    spec = CacheSpec(batch=b, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                     capacities=policy.capacities(config.num_layers, n_pad), dtype=dtype)
-    cache = init_cache(spec, policy.init_state(b))
+    cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype)
     nlls, lives = [], []
     bar = range(0, n_pad, segment)
     if progress:

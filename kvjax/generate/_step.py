@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache
+from kvjax.cache import Cache, init_cache
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
 
@@ -50,3 +50,12 @@ def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache
             zip(cache.layers, out.k_new, out.v_new, out.stats, strict=True)))
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, new_cache
+
+
+def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int,
+              dtype) -> Cache:
+    """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
+    spec = policy.cache_spec(batch=batch, num_layers=config.num_layers,
+                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             max_len=max_len, dtype=dtype)
+    return init_cache(spec, policy.init_state(batch))

@@ -1,18 +1,32 @@
 """Cache policies: which tokens stay, where, and at what precision."""
 
 from kvjax.policies._base import Policy, PositionalPolicy
+from kvjax.policies._confidence import Confidence, confidence
+from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
-from kvjax.policies._registry import BUDGETLESS, POLICIES, make_policy
+from kvjax.policies._h2o import H2OPolicy
+from kvjax.policies._random import RandomPolicy
+from kvjax.policies._ranked import RankedPolicy
+from kvjax.policies._registry import BUDGETLESS, NEEDS_LAYERS, POLICIES, make_policy
 from kvjax.policies._streaming import StreamingPolicy
+from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
 
 __all__ = [
     "BUDGETLESS",
+    "NEEDS_LAYERS",
     "POLICIES",
+    "ConfKVPolicy",
+    "Confidence",
     "FullPolicy",
+    "H2OPolicy",
     "Policy",
     "PositionalPolicy",
+    "RandomPolicy",
+    "RankedPolicy",
     "StreamingPolicy",
+    "TOVAPolicy",
     "WindowPolicy",
+    "confidence",
     "make_policy",
 ]

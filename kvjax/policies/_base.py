@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import AttnStats
-from kvjax.cache import LayerCache, write_slots
+from kvjax.cache import CacheSpec, LayerCache, write_slots
 
 Array = jax.Array
 
@@ -34,10 +34,27 @@ class Policy(abc.ABC):
         """Slots per KV head for each layer (pyramidal policies override)."""
         return (self.capacity(max_len),) * num_layers
 
+    def int8_capacities(self, num_layers: int, max_len: int) -> tuple[int, ...] | None:
+        """INT8-tier slots per KV head for each layer (None: the policy keeps no INT8 tier)."""
+        del num_layers, max_len
+        return None
+
+    def cache_spec(self, *, batch: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   max_len: int, dtype: Any) -> CacheSpec:
+        """The cache this policy needs for `batch` sequences of at most `max_len` tokens."""
+        return CacheSpec(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         capacities=self.capacities(num_layers, max_len), dtype=dtype,
+                         int8_capacities=self.int8_capacities(num_layers, max_len))
+
     def init_state(self, batch: int) -> Any:
         """Policy-wide state carried in the cache (None if the policy needs none)."""
         del batch
         return None
+
+    def current_budget(self, state: Any, batch: int) -> Array:
+        """[B] int32 token budget in force (telemetry); -1 for policies with a fixed budget."""
+        del state
+        return jnp.full((batch,), -1, jnp.int32)
 
     def begin_step(self, state: Any, logits: Array, valid: Array) -> Any:
         """Update policy-wide state from this step's next-token logits [B, V] (valid: [B])."""

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kvjax.policies._base import Policy
+from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
+from kvjax.policies._h2o import H2OPolicy
+from kvjax.policies._random import RandomPolicy
 from kvjax.policies._streaming import StreamingPolicy
+from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullPolicy, WindowPolicy, StreamingPolicy)
+POLICIES: dict[str, type[Policy] | functools.partial] = {
+    cls.name: cls
+    for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy,
+                ConfKVPolicy)
 }
+# Named presets of a policy class.
+POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
 BUDGETLESS = frozenset({"full"})
+# Policies whose per-layer budgets need the model's layer count.
+NEEDS_LAYERS = frozenset({"confkv", "confkv-l"})
 
 
-def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> Policy:
+def make_policy(name: str, budget: int | None = None, *, num_layers: int | None = None,
+                **kwargs: Any) -> Policy:
     """Build a policy by name.
 
     Args:
         name: one of POLICIES.
         budget: tokens kept per KV head per layer; required by every policy except `full`.
+        num_layers: the model's layer count (used by per-layer budgets, e.g. confkv-l).
         **kwargs: the policy's other hyperparameters.
 
     Raises:
@@ -35,4 +48,9 @@ def make_policy(name: str, budget: int | None = None, **kwargs: Any) -> Policy:
         return cls(**kwargs)
     if budget is None:
         raise ValueError(f"policy {name!r} needs a budget (tokens kept per KV head)")
-    return cls(budget=budget, **kwargs)
+    if name in NEEDS_LAYERS and num_layers is not None:
+        kwargs.setdefault("num_layers", num_layers)
+    try:
+        return cls(budget=budget, **kwargs)
+    except TypeError as e:  # an unknown hyperparameter name
+        raise ValueError(f"policy {name!r}: {e}") from None

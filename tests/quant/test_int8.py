@@ -1,7 +1,5 @@
 """INT8 symmetric quantization against float64 numpy references."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +17,16 @@ from kvjax.quant import (
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 KINDS = ("normal", "constant", "zeros", "outlier")
+LEADS = ((1,), (2, 3))  # T = 1: a group of one token
 
 
 @st.composite
-def inputs(draw, *, min_lead=0):
-    """(x [..., D] in a float dtype, kind): shapes, magnitudes 1e-3..1e3, adversarial kinds."""
-    lead = draw(st.lists(st.integers(1, 3), min_size=min_lead, max_size=min_lead + 2))
-    shape = (*lead, draw(st.integers(1, 9)))
+def inputs(draw):
+    """(x [..., T, D] in a float dtype, kind): shapes, magnitudes 1e-3..1e3, adversarial kinds.
+
+    Shapes come from a small menu so that compiled functions are reused across examples.
+    """
+    shape = (*draw(st.sampled_from(LEADS)), draw(st.sampled_from((1, 8))))
     dtype = draw(st.sampled_from(DTYPES))
     kind = draw(st.sampled_from(KINDS))
     mag = 10.0 ** draw(st.floats(-3, 3))
@@ -47,17 +48,13 @@ def ref_int8(x, axis):
     return np.clip(np.round(q), -127, 127), scale, q
 
 
-# One compile per (shape, dtype) instead of one per primitive keeps hypothesis fast.
+# One compile per example for both groupings (not one per primitive) keeps hypothesis fast.
 @jax.jit
-def round_trip(x):
+def round_trips(x):
     codes, scale = quantize_int8(x)
-    return codes, scale, dequantize_int8(codes, scale)
-
-
-@jax.jit
-def round_trip_channel(x):
-    codes, scale = quantize_int8_channel(x)
-    return codes, scale, dequantize_int8_channel(codes, scale)
+    codes_c, scale_c = quantize_int8_channel(x)
+    deq, deq_c = dequantize_int8(codes, scale), dequantize_int8_channel(codes_c, scale_c)
+    return (codes, scale, deq), (codes_c, scale_c, deq_c)
 
 
 def assert_codes_match(codes, ref_codes, q):
@@ -70,39 +67,34 @@ def assert_codes_match(codes, ref_codes, q):
 
 
 def assert_round_trip(x64, deq, scale):
-    """|x - deq(q(x))| <= scale / 2, up to float32 rounding."""
-    tol = scale * (0.5 + 1e-4) + 1e-6 * np.max(np.abs(x64))
+    """|x - deq(q(x))| <= scale / 2, up to float32 rounding (relative to the group's own scale
+    and magnitude, so an outlier elsewhere never loosens it)."""
+    tol = scale * (0.5 + 1e-4) + 1e-6 * np.abs(x64)
     assert np.all(np.abs(x64 - np.asarray(deq, np.float64)) <= tol)
 
 
 @given(inputs())
-def test_per_token_matches_reference_and_bound(case):
+def test_matches_reference_and_bound(case):
     x, kind = case
-    codes, scale, deq = round_trip(x)
+    (codes, scale, deq), (codes_c, scale_c, deq_c) = round_trips(x)
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    # per token: scale over D
     ref_codes, ref_scale, q = ref_int8(x64, axis=-1)
     assert codes.dtype == jnp.int8 and codes.shape == x.shape
     assert scale.dtype == jnp.float32 and scale.shape == x.shape[:-1]
     np.testing.assert_allclose(scale, ref_scale[..., 0], rtol=1e-6)
     assert_codes_match(codes, ref_codes, q)
-    assert_round_trip(x64, deq, np.asarray(scale, np.float64)[..., None])
-    if kind == "zeros":
-        assert np.all(np.asarray(scale) == 0) and np.all(np.asarray(deq) == 0)
-
-
-@given(inputs(min_lead=1))
-def test_per_channel_matches_reference_and_bound(case):
-    x, kind = case
-    codes, scale, deq = round_trip_channel(x)
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    assert_round_trip(x64, deq, ref_scale)
+    # per channel: scale over T
     ref_codes, ref_scale, q = ref_int8(x64, axis=-2)
-    assert codes.dtype == jnp.int8 and codes.shape == x.shape
-    assert scale.shape == x.shape[:-2] + x.shape[-1:]
-    np.testing.assert_allclose(scale, ref_scale[..., 0, :], rtol=1e-6)
-    assert_codes_match(codes, ref_codes, q)
-    assert_round_trip(x64, deq, np.asarray(scale, np.float64)[..., None, :])
+    assert codes_c.dtype == jnp.int8 and codes_c.shape == x.shape
+    assert scale_c.dtype == jnp.float32 and scale_c.shape == x.shape[:-2] + x.shape[-1:]
+    np.testing.assert_allclose(scale_c, ref_scale[..., 0, :], rtol=1e-6)
+    assert_codes_match(codes_c, ref_codes, q)
+    assert_round_trip(x64, deq_c, ref_scale)
     if kind == "zeros":
-        assert np.all(np.asarray(deq) == 0)
+        assert not np.any(scale) and not np.any(scale_c)
+        assert not np.any(deq) and not np.any(deq_c)
 
 
 def test_golden_per_token():
@@ -130,26 +122,21 @@ def test_never_uses_minus_128():
     assert int(jnp.min(codes)) == -127
 
 
-def test_dequantize_dtype():
-    x = jnp.linspace(-3.0, 5.0, 24).reshape(2, 3, 4)
-    codes, scale = quantize_int8(x)
-    out = dequantize_int8(codes, scale, jnp.bfloat16)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(out, dequantize_int8(codes, scale).astype(jnp.bfloat16))
-
-
-def test_jit_equals_eager():
-    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 8), jnp.bfloat16)
+def test_jit_equals_eager_and_output_dtype():
+    x = jax.random.normal(jax.random.key(0), (2, 4, 8), jnp.bfloat16)
     for quantize, dequantize in (
         (quantize_int8, dequantize_int8),
         (quantize_int8_channel, dequantize_int8_channel),
     ):
         eager = quantize(x)
-        jitted = jax.jit(quantize)(x)
-        for a, b in zip(eager, jitted, strict=True):
+        for a, b in zip(eager, jax.jit(quantize)(x), strict=True):
             np.testing.assert_array_equal(a, b)
-        deq = jax.jit(functools.partial(dequantize, dtype=jnp.float16))(*eager)
-        np.testing.assert_array_equal(deq, dequantize(*eager, dtype=jnp.float16))
+        deq = dequantize(*eager, dtype=jnp.float16)
+        assert deq.dtype == jnp.float16
+        np.testing.assert_array_equal(deq, dequantize(*eager).astype(jnp.float16))
+        np.testing.assert_array_equal(
+            jax.jit(dequantize, static_argnames="dtype")(*eager, dtype=jnp.float16), deq
+        )
 
 
 def test_bad_inputs():

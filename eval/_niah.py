@@ -1,0 +1,240 @@
+"""Needle in a haystack through a policy's cache: a grid of context lengths × needle depths.
+
+Two protocols, never mixed: *query-aware* streams context and question together through chunked
+prefill (a policy may use the question's attention); *query-agnostic* prefills (compresses) the
+context alone, then appends the question. Prompts and scoring: `_niah_prompt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import Cache, CacheSpec, init_cache, live_bytes
+from kvjax.generate import GenerateConfig, model_step, sample
+from kvjax.models import ModelConfig, Params
+from kvjax.policies import Policy
+from kvjax.weights import LoadedModel
+
+from ._niah_prompt import (
+    BUFFER,
+    DEFAULT_TEMPLATE,
+    NEEDLE,
+    QUESTION,
+    SCORING_RULE,
+    NiahPrompt,
+    NiahProtocol,
+    NiahTemplate,
+    build_niah_prompt,
+    check_niah_grid,
+    haystack_text,
+    score_niah_answer,
+)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NiahCell:
+    """One (length, depth) result (JSON-ready)."""
+
+    length: int
+    depth: float
+    needle_depth: float
+    score: float
+    soft_score: float
+    answer: str
+    answer_tokens: list[int]
+    prompt_tokens: int
+    live_kv_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NiahResult:
+    """A grid for one policy and protocol (JSON-ready via dataclasses.asdict)."""
+
+    model: str
+    policy: str
+    budget: int | None
+    protocol: str
+    lengths: list[int]
+    depths: list[float]
+    mean_score: float
+    mean_score_by_length: dict[str, float]
+    needle: str
+    question: str
+    scoring: str
+    template: dict[str, str | None]
+    buffer: int
+    max_new_tokens: int
+    cells: list[NiahCell]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def prefill_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig, params: Params,
+                  cache: Cache, tokens: Array, lengths: Array) -> tuple[Cache, Array]:
+    """Stream prompts into `cache` through the policy, gen.chunk_size tokens per model call.
+
+    Args:
+        tokens: [B, S] int32 right-padded, S a multiple of gen.chunk_size.
+        lengths: [B] int32 real tokens per row (>= 1).
+
+    Returns:
+        the cache and [B, V] float32 logits after each row's last real token.
+    """
+    b, t = tokens.shape[0], gen.chunk_size
+
+    def body(carry):
+        i, cache, last = carry
+        start = i * t
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, t, axis=1)
+        valid = (start + jnp.arange(t))[None, :] < lengths[:, None]
+        logits, cache = model_step(config, policy, params, cache, toks, valid,
+                                   implementation=gen.implementation)
+        idx = lengths - 1 - start
+        here = (idx >= 0) & (idx < t)
+        at = jnp.take_along_axis(logits, jnp.clip(idx, 0, t - 1)[:, None, None], axis=1)
+        return i + 1, cache, jnp.where(here[:, None], at[:, 0], last)
+
+    n_chunks = (jnp.max(lengths) + t - 1) // t
+    _, cache, last = jax.lax.while_loop(
+        lambda c: c[0] < n_chunks, body,
+        (jnp.int32(0), cache, jnp.zeros((b, config.vocab_size), jnp.float32)))
+    return cache, last
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def generate_from_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig,
+                        params: Params, cache: Cache, tokens: Array, lengths: Array,
+                        key: Array) -> tuple[Array, Array, Cache]:
+    """`generate` continued from a filled cache: prefill `tokens` on top of it, then decode.
+
+    Args:
+        tokens: [B, S] int32 right-padded continuation, S a multiple of gen.chunk_size.
+        lengths: [B] int32 real tokens per row (>= 1).
+        key: sampling key (unused when greedy).
+
+    Returns:
+        [B, N] int32 generated ids (the stop token included, pad after), [B] int32 counts, and
+        the final cache (decode semantics as `kvjax.generate.generate`).
+    """
+    b, n = tokens.shape[0], gen.max_new_tokens
+    cache, logits = prefill_cache(config, policy, gen, params, cache, tokens, lengths)
+    stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
+
+    def decode(carry):
+        step, cache, logits, key, done, out, count = carry
+        key, sub = jax.random.split(key)
+        tok = jnp.where(done, gen.pad_id, sample(logits, sub, gen.sampling))
+        out = out.at[:, step].set(tok)
+        count = count + (~done).astype(jnp.int32)
+        done = done | jnp.isin(tok, stops)
+        logits, cache = model_step(config, policy, params, cache, tok[:, None], (~done)[:, None],
+                                   implementation=gen.implementation)
+        return step + 1, cache, logits[:, 0], key, done, out, count
+
+    init = (jnp.int32(0), cache, logits, key, jnp.zeros((b,), bool),
+            jnp.full((b, n), gen.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32))
+    _, cache, _, _, _, out, count = jax.lax.while_loop(
+        lambda c: (c[0] < n) & ~jnp.all(c[4]), decode, init)
+    return out, count, cache
+
+
+def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
+             depths: Sequence[float], protocol: NiahProtocol | str, budget: int | None = None,
+             max_new_tokens: int = 32, template: NiahTemplate = DEFAULT_TEMPLATE,
+             chunk_size: int = 256, haystack: str | None = None,
+             on_cell: Callable[[NiahCell], None] | None = None) -> NiahResult:
+    """Greedy answers over a grid of context lengths × needle depths, one protocol.
+
+    Args:
+        model: weights and tokenizer (with a chat template).
+        policy: the cache policy; `budget` is only recorded.
+        lengths: context lengths in tokens (prompt + answer fit in each).
+        depths: needle depths in percent of the haystack, in [0, 100].
+        protocol: NiahProtocol or its value ("query-aware", "query-agnostic").
+        max_new_tokens: answer length cap (generation also stops at the tokenizer's EOS ids).
+        chunk_size: prompt tokens per prefill call; each length's prompts are padded to one
+            bucket, so every depth of a length reuses one compilation.
+        haystack: text instead of the essays (tests).
+        on_cell: called after each cell (progress bars).
+
+    Raises:
+        ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack.
+    """
+    if protocol not in tuple(NiahProtocol):
+        raise ValueError(f"unknown protocol {protocol!r}; choose one of "
+                         f"{[p.value for p in NiahProtocol]}")
+    protocol = NiahProtocol(protocol)
+    check_niah_grid(lengths, depths)
+    tok, config = model.tokenizer, model.config
+    if tok is None:
+        raise ValueError(f"model {model.source} has no tokenizer; NIAH needs one")
+    hay = tok.encode(haystack_text() if haystack is None else haystack)
+    grid = {n: [build_niah_prompt(tok, hay, length=n, depth=d, template=template) for d in depths]
+            for n in lengths}  # every bad length fails before any compute
+    for n, prompts in grid.items():
+        extra = len(prompts[0].context) + len(prompts[0].question) - (n - BUFFER)
+        if extra + max_new_tokens > BUFFER:
+            raise ValueError(f"template ({extra} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceed the {BUFFER}-token buffer")
+        if config.max_positions and n > config.max_positions:
+            raise ValueError(f"context length {n} exceeds the model's {config.max_positions} "
+                             f"learned positions")
+    dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+    gen = GenerateConfig(max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids,
+                         chunk_size=chunk_size)
+    cells = []
+    for n, prompts in grid.items():
+        spec = CacheSpec(batch=1, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                         capacities=policy.capacities(config.num_layers, n), dtype=dtype)
+        bucket = -(-n // chunk_size) * chunk_size
+        for depth, p in zip(depths, prompts, strict=True):
+            t0 = time.perf_counter()
+            ids, cache = _answer(model, policy, gen, spec, p, protocol, bucket)
+            answer = tok.decode(ids, skip_special=True)
+            score, soft = score_niah_answer(answer)
+            cells.append(NiahCell(
+                length=n, depth=float(depth), needle_depth=p.needle_depth, score=score,
+                soft_score=soft, answer=answer, answer_tokens=ids,
+                prompt_tokens=len(p.context) + len(p.question),
+                live_kv_bytes=int(live_bytes(cache)[0]), seconds=time.perf_counter() - t0))
+            if on_cell is not None:
+                on_cell(cells[-1])
+    by_len = {str(n): float(np.mean([c.score for c in cells if c.length == n])) for n in grid}
+    return NiahResult(
+        model=config.name, policy=policy.name, budget=budget, protocol=protocol.value,
+        lengths=list(grid), depths=[float(d) for d in depths],
+        mean_score=float(np.mean([c.score for c in cells])), mean_score_by_length=by_len,
+        needle=NEEDLE, question=QUESTION, scoring=SCORING_RULE,
+        template=dataclasses.asdict(template), buffer=BUFFER, max_new_tokens=max_new_tokens,
+        cells=cells)
+
+
+def _padded(ids: list[int], size: int) -> tuple[Array, Array]:
+    out = np.zeros((1, size), np.int32)
+    out[0, : len(ids)] = ids
+    return jnp.asarray(out), jnp.asarray([len(ids)], jnp.int32)
+
+
+def _answer(model: LoadedModel, policy: Policy, gen: GenerateConfig, spec: CacheSpec,
+            p: NiahPrompt, protocol: NiahProtocol, bucket: int) -> tuple[list[int], Cache]:
+    cache = init_cache(spec, policy.init_state(1))
+    key = jax.random.key(0)
+    if protocol is NiahProtocol.QUERY_AWARE:
+        out, count, cache = generate_from_cache(model.config, policy, gen, model.params, cache,
+                                                *_padded(p.context + p.question, bucket), key)
+    else:
+        cache, _ = prefill_cache(model.config, policy, gen, model.params, cache,
+                                 *_padded(p.context, bucket))
+        tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
+        out, count, cache = generate_from_cache(model.config, policy, tail, model.params, cache,
+                                                *_padded(p.question, tail.chunk_size), key)
+    return np.asarray(out)[0, : int(count[0])].tolist(), cache

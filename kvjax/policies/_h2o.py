@@ -1,0 +1,38 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
+Large Language Models"): keep the recent window plus the "heavy hitters", the older tokens with
+the largest attention mass accumulated over every query so far."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.policies._ranked import RankedPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2OPolicy(RankedPolicy):
+    """Recent window + heavy hitters by accumulated attention (column sums).
+
+    Attributes:
+        budget: tokens kept per KV head per layer.
+        recent_ratio: share of the budget given to the recent window (paper: half).
+    """
+
+    name = "h2o"
+    budget: int
+    recent_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.recent_ratio < 1:
+            raise ValueError(f"H2OPolicy.recent_ratio must be in (0, 1), got {self.recent_ratio}")
+        if self.budget < 2:
+            raise ValueError(f"H2OPolicy.budget must be >= 2, got {self.budget}")
+        self._check()
+
+    @property
+    def ring(self) -> int:
+        return max(1, round(self.budget * self.recent_ratio))
+
+    def max_budget(self, layer_index: int) -> int:
+        del layer_index
+        return self.budget

@@ -1,0 +1,228 @@
+"""Ranked policies: a ring of the most recent tokens (never evicted) plus a *ranked region* that
+keeps the highest-priority older tokens, optionally stored in INT8.
+
+A token enters the ring; when it leaves the ring it competes for the ranked region by priority
+(the policy's `priority` of its score); the loser is evicted for good. Tokens in the ranked region
+stay in a dense prefix (contiguous compaction), so a smaller budget means fewer bytes read.
+
+Two code paths, checked against each other in tests:
+* decode (one token): O(C) scalar work and O(1) slot writes — the leaving ring token replaces the
+  lowest-priority ranked token (or fills the next free slot); a budget that shrank is enforced by
+  a compaction that runs under `lax.cond` only on the steps that need it;
+* merge (prefill chunks): all candidates (ring, ranked, new) are ranked and the region rebuilt.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies._base import Policy
+from kvjax.policies._regions import (
+    Tokens,
+    fp_slice,
+    int8_from_tokens,
+    int8_tokens,
+    replace_fp_range,
+    scatter_fp,
+    scatter_int8,
+)
+
+Array = jax.Array
+_INF = jnp.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankedPolicy(Policy):
+    """Base of score-ranked policies. Subclasses define the scores; the engine does the rest.
+
+    Subclasses provide `ring` (recent tokens kept in full precision, >= 1), `sinks` (first
+    tokens never evicted), `int8` (ranked region stored INT8), `max_budget(layer)` and optionally a
+    dynamic `ranked_budget`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def ring(self) -> int:
+        """W: most recent tokens, kept in full precision and never evicted."""
+
+    @property
+    def sinks(self) -> int:
+        return 0
+
+    @property
+    def int8(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def max_budget(self, layer_index: int) -> int:
+        """Largest total token budget (ring included) of a layer."""
+
+    def ranked_budget(self, state: Any, layer_index: int, batch: int) -> Array:
+        """[B] int32 slots of the ranked region allowed now (default: all of them)."""
+        del state
+        return jnp.full((batch,), self.max_budget(layer_index) - self.ring, jnp.int32)
+
+    # --- scores (override) -------------------------------------------------------------------
+    def update_score(self, score: Array, mass: Array, pos: Array, cur: Array, state: Any,
+                     layer_index: int) -> Array:
+        """New scores of cached tokens given this call's attention mass (default: accumulate)."""
+        del pos, cur, state, layer_index
+        return score + mass
+
+    def init_score(self, mass: Array, pos: Array, state: Any, layer_index: int) -> Array:
+        """Scores of new tokens [B, H, T] from the mass they received in this call."""
+        del pos, state, layer_index
+        return mass
+
+    def priority(self, score: Array, pos: Array, cur: Array, layer_index: int) -> Array:
+        """Keep-priority (higher = keep) at current position cur (broadcast [B, 1, 1])."""
+        del pos, cur, layer_index
+        return score
+
+    # --- cache layout ------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.ring < 1:
+            raise ValueError(f"{type(self).__name__}: the recent window must be >= 1 token")
+        for layer in (0,):
+            ranked = self.max_budget(layer) - self.ring
+            if ranked < max(1, self.sinks):
+                raise ValueError(
+                    f"{type(self).__name__}: budget {self.max_budget(layer)} leaves {ranked} "
+                    f"ranked slots after the protected window ({self.ring}); it must exceed "
+                    f"the window + sinks ({self.ring} + {self.sinks})")
+
+    def capacity(self, max_len: int) -> int:
+        del max_len
+        return self.max_budget(0) if not self.int8 else self.ring
+
+    def capacities(self, num_layers: int, max_len: int) -> tuple[int, ...]:
+        del max_len
+        if self.int8:
+            return (self.ring,) * num_layers
+        return tuple(self.max_budget(i) for i in range(num_layers))
+
+    def int8_capacities(self, num_layers: int, max_len: int) -> tuple[int, ...] | None:
+        del max_len
+        if not self.int8:
+            return None
+        return tuple(self.max_budget(i) - self.ring for i in range(num_layers))
+
+    # --- the write ----------------------------------------------------------------------------
+    def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
+        if k_new.shape[1] == 1:
+            return self._decode(layer, k_new, v_new, pos_new, valid, stats, state, layer_index)
+        return self.merge(layer, k_new, v_new, pos_new, valid, stats, state, layer_index)
+
+    def _ranked(self, layer) -> Tokens:
+        return int8_tokens(layer.int8) if self.int8 else fp_slice(layer, self.ring)
+
+    def _prio(self, toks: Tokens, cur: Array, li: int) -> Array:
+        """Priority with sinks pinned to +inf and empty slots to -inf."""
+        p = self.priority(toks.score, toks.pos, cur, li)
+        p = jnp.where(toks.pos < self.sinks, _INF, p)
+        return jnp.where(toks.pos >= 0, p, -_INF)
+
+    def _scored(self, layer, stats, cur, state, li):
+        """The layer with every cached token's score updated by this call's mass."""
+        up = lambda s, m, pos: self.update_score(s, m, pos, cur, state, li)
+        layer = layer.replace(score=up(layer.score, stats.slot_mass, layer.pos))
+        if layer.int8 is not None:
+            t = layer.int8
+            layer = layer.replace(int8=t.replace(score=up(t.score, stats.int8_mass, t.pos)))
+        return layer
+
+    def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
+        b, _, h, _ = k_new.shape
+        w = self.ring
+        cur = pos_new[:, 0]
+        cur3 = cur[:, None, None]
+        layer = self._scored(layer, stats, cur3, state, li)
+        budget = self.ranked_budget(state, li, b)[:, None]  # [B, 1]
+        layer = self._shrink(layer, budget, cur3, li)
+        new = Tokens(k=jnp.swapaxes(k_new, 1, 2), v=jnp.swapaxes(v_new, 1, 2),
+                     pos=jnp.broadcast_to(pos_new[:, None, :], (b, h, 1)),
+                     score=self.init_score(stats.new_mass, pos_new[:, None, :], state, li))
+        ring_slot = jnp.broadcast_to((cur % w)[:, None, None], (b, h, 1))
+        leaving = fp_slice(layer, 0, w).take(ring_slot)  # the token the new one pushes out
+        ranked = self._ranked(layer)
+        prio = self._prio(ranked, cur3, li)  # [B, H, M]
+        live = jnp.sum(ranked.pos >= 0, axis=-1)  # [B, H]
+        lowest = jnp.argmin(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
+        lowest_prio = jnp.min(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
+        leave_prio = self._prio(leaving, cur3, li)[..., 0]
+        m = ranked.pos.shape[-1]
+        target = jnp.where(live < budget, live, jnp.where(leave_prio > lowest_prio, lowest, m))
+        target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
+        if self.int8:
+            layer = layer.replace(int8=scatter_int8(layer.int8, target, leaving.quantized()))
+        else:
+            layer = scatter_fp(layer, jnp.where(target < m, target + w, layer.capacity), leaving)
+        ring_slot = jnp.where(valid[:, :, None], ring_slot, layer.capacity)
+        return scatter_fp(layer, ring_slot, new)
+
+    def _shrink(self, layer, budget, cur3, li):
+        """Evict the lowest-priority ranked tokens down to `budget` [B, 1], compacting the rest.
+        Runs (under lax.cond) only when some head holds more than its budget."""
+        live = jnp.sum(self._ranked(layer).pos >= 0, axis=-1)
+
+        def compact(layer):
+            ranked = self._ranked(layer)
+            kept = _select_prefix(ranked, self._prio(ranked, cur3, li), budget,
+                                  ranked.pos.shape[-1])
+            return self._set_ranked(layer, kept)
+
+        return jax.lax.cond(jnp.any(live > budget), compact, lambda x: x, layer)
+
+    def _set_ranked(self, layer, toks: Tokens):
+        if self.int8:
+            return layer.replace(int8=int8_from_tokens(toks))
+        return replace_fp_range(layer, self.ring, toks)
+
+    def merge(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
+        """General write of T tokens: rebuild ring and ranked region from all candidates."""
+        b, t, h, _ = k_new.shape
+        w = self.ring
+        last = jnp.max(jnp.where(valid, pos_new, -1), axis=1)  # [B]
+        cur3 = last[:, None, None]
+        layer = self._scored(layer, stats, cur3, state, li)
+        pos = jnp.where(valid, pos_new, -1)[:, None, :]
+        new = Tokens(k=jnp.swapaxes(k_new, 1, 2), v=jnp.swapaxes(v_new, 1, 2),
+                     pos=jnp.broadcast_to(pos, (b, h, t)),
+                     score=self.init_score(stats.new_mass, pos, state, li))
+        ring = fp_slice(layer, 0, w)
+        stays = lambda p: (p >= 0) & (p > cur3 - w)  # among the w most recent
+        # Ring leavers and new tokens too old for the ring compete for the ranked region.
+        drop = lambda toks, keep: toks.replace(pos=jnp.where(keep, -1, toks.pos))
+        cands = drop(ring, stays(ring.pos)).concat(drop(new, stays(new.pos)))
+        ranked = self._ranked(layer)
+        if self.int8:
+            cands = cands.quantized()
+        cands = ranked.concat(cands)
+        budget = self.ranked_budget(state, li, b)[:, None]
+        kept = _select_prefix(cands, self._prio(cands, cur3, li), budget, ranked.pos.shape[-1])
+        layer = self._set_ranked(layer, kept)
+        slot = jnp.where(stays(new.pos), new.pos % w, layer.capacity)
+        return scatter_fp(layer, slot, new)
+
+
+def _select_prefix(cands: Tokens, prio: Array, budget: Array, size: int) -> Tokens:
+    """Keep the `budget` [B, 1] highest-priority occupied candidates, in a dense prefix of `size`
+    slots ordered by position; the rest of the prefix is EMPTY."""
+    n = cands.pos.shape[-1]
+    if size > n:
+        raise ValueError(f"ranked region ({size}) larger than its candidates ({n})")
+    order = jnp.argsort(-prio, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)
+    keep = (rank < budget[..., None]) & (cands.pos >= 0)
+    # Kept first (by position), then everything else.
+    key = jnp.where(keep, cands.pos, jnp.iinfo(jnp.int32).max)
+    idx = jnp.argsort(key, axis=-1, stable=True)[..., :size]
+    out = cands.take(idx)
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+    filled = jnp.arange(size)[None, None, :] < n_keep
+    return out.replace(pos=jnp.where(filled, out.pos, -1))

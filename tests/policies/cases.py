@@ -1,0 +1,26 @@
+"""The one shared list of policies every generic test runs over: (name, mild kwargs, aggressive
+kwargs). Budgets are given separately so tests can scale them."""
+
+from kvjax.policies import make_policy
+
+# name -> extra kwargs (small windows so tiny tests exercise eviction)
+CASES = {
+    "full": {},
+    "window": {},
+    "streaming": {"sinks": 2},
+    "h2o": {},
+    "tova": {},
+    "random": {"recent": 3, "seed": 1},
+    "confkv": {"protected": 3, "fp_window": 3, "int8": False},
+    "confkv-int8": {"protected": 2, "fp_window": 4},
+    "confkv-l": {"protected": 2, "fp_window": 3, "num_layers": 2},
+}
+NAMES = list(CASES)
+
+
+def build(case: str, budget: int):
+    """The policy of a case at a budget (full ignores the budget)."""
+    name = {"confkv-int8": "confkv"}.get(case, case)
+    if name == "full":
+        return make_policy("full")
+    return make_policy(name, budget, **CASES[case])

@@ -1,0 +1,169 @@
+"""Ranked policies (H2O, TOVA, random, CONF-KV) against a slow, obvious NumPy simulation on
+random attention streams: the same kept set after every step, through both the decode fast path
+and the general merge path."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.attention import AttnStats
+from kvjax.cache import CacheSpec, init_cache
+from kvjax.policies import ConfKVPolicy, RankedPolicy, make_policy
+
+H, D = 2, 4
+
+
+def np_update(policy, score, mass):
+    if policy.name == "tova":
+        return mass
+    if policy.name == "random":
+        return score
+    if policy.name == "confkv":
+        return policy.ema_decay * score + (1 - policy.ema_decay) * mass
+    return score + mass  # h2o
+
+
+def np_init(policy, mass, pos, layer, head):
+    if policy.name == "random":
+        from kvjax.policies._random import hash_uniform
+
+        return float(hash_uniform(policy.seed, layer, jnp.full((1, H, 1), pos, jnp.int32),
+                                  (1, H, 1))[0, head, 0])
+    if policy.name == "confkv":
+        return (1 - policy.ema_decay) * mass
+    return mass
+
+
+def np_priority(policy, score, pos, cur):
+    if pos < policy.sinks:
+        return np.inf
+    if policy.name == "confkv":
+        return score + policy.recency_weight * (pos + 1) / (cur + 1)
+    return score
+
+
+def simulate(policy, masses, budgets, layer=0):
+    """Obvious version: per head, a dict pos -> score; ring = newest `ring` positions."""
+    kept_per_step = []
+    tokens = [dict() for _ in range(H)]
+    for t, (m, n_ranked) in enumerate(zip(masses, budgets, strict=True)):
+        step = []
+        for h in range(H):
+            toks = tokens[h]
+            for p in toks:
+                toks[p] = np_update(policy, toks[p], m[h, p])
+            toks[t] = np_init(policy, m[h, t], t, layer, h)
+            ring = sorted(toks)[-policy.ring:]
+            ranked = [p for p in toks if p not in ring]
+            ranked.sort(key=lambda p: -np_priority(policy, toks[p], p, t))
+            for p in ranked[n_ranked:]:
+                del toks[p]
+            step.append(set(toks))
+        kept_per_step.append(step)
+    return kept_per_step
+
+
+def run_jit(policy, masses, states, *, merge: bool, layer=0):
+    spec = CacheSpec(batch=1, num_kv_heads=H, head_dim=D,
+                     capacities=(policy.capacities(1, 0)[0],),
+                     int8_capacities=None if policy.int8_capacities(1, 0) is None
+                     else (policy.int8_capacities(1, 0)[0],))
+    lc = init_cache(spec).layers[0]
+    kept = []
+    for t, (m, state) in enumerate(zip(masses, states, strict=True)):
+        def mass_of(pos):  # [1, H, C] slot positions -> their random mass this step
+            p = pos[0]
+            return jnp.where(p >= 0, jnp.asarray(m)[jnp.arange(H)[:, None], jnp.maximum(p, 0)],
+                             0.0)[None]
+        stats = AttnStats(slot_mass=mass_of(lc.pos), new_mass=jnp.asarray(m[:, t])[None, :, None],
+                          lse=jnp.zeros((1, 1, H)),
+                          int8_mass=None if lc.int8 is None else mass_of(lc.int8.pos))
+        k = jnp.full((1, 1, H, D), float(t))
+        pos = jnp.full((1, 1), t, jnp.int32)
+        args = (lc, k, -k, pos, jnp.ones((1, 1), bool), stats, state)
+        lc = policy.merge(*args, layer) if merge else policy.write(*args, layer_index=layer)
+        step = []
+        for h in range(H):
+            p = np.asarray(lc.pos[0, h])
+            allp = list(p[p >= 0])
+            if lc.int8 is not None:
+                q = np.asarray(lc.int8.pos[0, h])
+                allp += list(q[q >= 0])
+                # INT8 data is the quantized token: k = pos (exactly representable here).
+                for slot in np.nonzero(q >= 0)[0]:
+                    val = float(lc.int8.k[0, h, slot, 0]) * float(lc.int8.k_scale[0, h, slot])
+                    assert abs(val - q[slot]) <= abs(q[slot]) / 254 + 1e-6
+            assert len(allp) == len(set(allp)), "a position is stored twice"
+            for slot in np.nonzero(p >= 0)[0]:
+                assert float(lc.k[0, h, slot, 0]) == p[slot]
+            step.append(set(int(x) for x in allp))
+        kept.append(step)
+    return kept
+
+
+def policies():
+    return [
+        make_policy("h2o", 8),
+        make_policy("h2o", 7, recent_ratio=0.3),
+        make_policy("tova", 6),
+        make_policy("tova", 6, recent=2),
+        make_policy("random", 9, recent=3, seed=3),
+        ConfKVPolicy(budget=10, protected=3, fp_window=3, int8=False, recency_weight=0.3),
+        ConfKVPolicy(budget=10, protected=2, fp_window=4, int8=True),
+        ConfKVPolicy(budget=12, protected=2, fp_window=3, int8=False, pyramid=0.5, num_layers=3),
+    ]
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["decode", "merge"])
+@pytest.mark.parametrize("idx", range(len(policies())))
+@settings(max_examples=1)
+@given(seed=st.integers(0, 10_000))
+def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
+    policy: RankedPolicy = policies()[idx]
+    rng = np.random.default_rng(seed)
+    steps = 24
+    masses = rng.random((steps, H, steps)).astype(np.float32)
+    layer = 2 if getattr(policy, "pyramid", 0) else 0
+    if isinstance(policy, ConfKVPolicy):
+        confident = rng.random(steps) < 0.5
+        states = [jnp.asarray([c]) for c in confident]
+        budgets = [int(policy.ranked_budget(s, layer, 1)[0]) for s in states]
+    else:
+        states = [None] * steps
+        budgets = [policy.max_budget(layer) - policy.ring] * steps
+    want = simulate(policy, masses, budgets, layer)
+    got = run_jit(policy, masses, states, merge=merge, layer=layer)
+    for t in range(steps):
+        assert got[t] == want[t], f"step {t}"
+        for h in range(H):
+            # Live never exceeds the budget in force; the newest `ring` are always kept.
+            assert len(got[t][h]) <= policy.ring + budgets[t]
+            assert set(range(max(0, t - policy.ring + 1), t + 1)) <= got[t][h]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"budget": 20, "protected": 32}, "must exceed the protected window"),
+    ({"budget": 100, "tau": 1.5}, r"tau must be in \[0, 1\]"),
+    ({"budget": 100, "ema_decay": 1.0}, r"ema_decay must be in \[0, 1\)"),
+    ({"budget": 100, "weights": (1, 2)}, "weights must be 3"),
+])
+def test_confkv_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ConfKVPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("name,budget,match", [
+    ("h2o", 1, "budget must be >= 2"),
+    ("tova", 1, "must exceed the window"),
+    ("random", 20, "must exceed the window"),
+])
+def test_ranked_bad_budgets(name, budget, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy(name, budget)
+
+
+def test_unknown_hyperparameter_is_named():
+    with pytest.raises(ValueError, match="policy 'h2o'.*unexpected keyword"):
+        make_policy("h2o", 8, window=3)
