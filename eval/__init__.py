@@ -11,7 +11,12 @@ from kvjax.eval._niah import (
     prefill_cache,
     run_niah,
 )
-from kvjax.eval._niah_plot import niah_summary_rows, plot_niah_heatmap, write_niah_outputs
+from kvjax.eval._niah_plot import (
+    niah_summary_rows,
+    plot_niah_heatmap,
+    read_niah_result,
+    write_niah_outputs,
+)
 from kvjax.eval._niah_prompt import (
     NEEDLE,
     QUESTION,
@@ -46,6 +51,7 @@ __all__ = [
     "niah_summary_rows",
     "plot_niah_heatmap",
     "prefill_cache",
+    "read_niah_result",
     "run_niah",
     "run_ppl",
     "score_niah_answer",

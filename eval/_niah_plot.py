@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._niah import NiahResult
+from ._niah import NiahCell, NiahResult
 
 
 def niah_stem(result: NiahResult) -> str:
@@ -35,8 +35,8 @@ def plot_niah_heatmap(result: NiahResult, path: str | pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     grid = niah_score_grid(result)
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(result.lengths),
-                                    1.6 + 0.5 * len(result.depths)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 1.1 * len(result.lengths)),
+                                    max(3.0, 1.8 + 0.5 * len(result.depths))))
     ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, j in np.ndindex(grid.shape):
         if not np.isnan(grid[i, j]):
@@ -46,8 +46,8 @@ def plot_niah_heatmap(result: NiahResult, path: str | pathlib.Path) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     budget = "" if result.budget is None else f" budget={result.budget}"
-    ax.set_title(f"NIAH {result.policy}{budget} {result.protocol}\n{result.model} "
-                 f"(mean {result.mean_score:.2f})", fontsize=9)
+    ax.set_title(f"NIAH: {result.policy}{budget}, {result.protocol}\n{result.model}, "
+                 f"mean score {result.mean_score:.2f}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -62,6 +62,12 @@ def write_niah_outputs(result: NiahResult, out_dir: str | pathlib.Path) -> tuple
     json_path.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
     plot_niah_heatmap(result, png_path)
     return str(json_path), str(png_path)
+
+
+def read_niah_result(path: str | pathlib.Path) -> NiahResult:
+    """A NiahResult back from a JSON file written by `write_niah_outputs`."""
+    data = json.loads(pathlib.Path(path).read_text())
+    return NiahResult(**{**data, "cells": [NiahCell(**c) for c in data["cells"]]})
 
 
 def niah_summary_rows(results: Sequence[NiahResult]) -> list[dict[str, Any]]:

@@ -95,9 +95,12 @@ def haystack_text() -> str:
 
 
 def check_niah_grid(lengths: Sequence[int], depths: Sequence[float]) -> None:
-    """Raise ValueError for an empty grid, a length <= BUFFER, or a depth outside [0, 100]."""
+    """Raise ValueError for an empty grid, a repeated value, a length <= BUFFER, or a depth
+    outside [0, 100]."""
     if not lengths or not depths:
         raise ValueError("give at least one context length and one depth")
+    if len(set(lengths)) < len(lengths) or len(set(depths)) < len(depths):
+        raise ValueError(f"repeated context length or depth in {list(lengths)} × {list(depths)}")
     for n in lengths:
         if n <= BUFFER:
             raise ValueError(f"context length {n} is too small: it must exceed the "
@@ -136,7 +139,7 @@ def build_niah_prompt(tokenizer: Tokenizer, haystack: Sequence[int], *, length: 
         raise ValueError(f"context length {length} leaves no room for the haystack: it must be "
                          f"> {buffer + len(needle)} (buffer {buffer} + needle {len(needle)})")
     if n > len(haystack):
-        raise ValueError(f"context length {length} needs {n} haystack tokens; the essays have "
+        raise ValueError(f"context length {length} needs {n} haystack tokens; the haystack has "
                          f"only {len(haystack)}")
     cut = list(haystack[:n])
     ends = {i for i in set(cut) if tokenizer.decode([i]).rstrip().endswith(".")}

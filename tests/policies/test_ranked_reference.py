@@ -73,7 +73,7 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
     lc = init_cache(spec).layers[0]
     kept = []
     for t, (m, state) in enumerate(zip(masses, states, strict=True)):
-        def mass_of(pos):  # [1, H, C] slot positions -> their random mass this step
+        def mass_of(pos, m=m):  # [1, H, C] slot positions -> their random mass this step
             p = pos[0]
             return jnp.where(p >= 0, jnp.asarray(m)[jnp.arange(H)[:, None], jnp.maximum(p, 0)],
                              0.0)[None]

@@ -1,0 +1,215 @@
+"""NIAH: needle placement, scoring, grid/JSON structure, protocols, outputs, bad input.
+
+Fast tests run the tiny random Llama with a character-level fake tokenizer (id = ASCII code, so
+one character is one token and '.' is its own token); one slow test runs SmolLM2 on one cell.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvjax.cli import main
+from kvjax.eval import (
+    NEEDLE,
+    NiahProtocol,
+    build_niah_prompt,
+    check_niah_grid,
+    insert_needle,
+    read_niah_result,
+    run_niah,
+    score_niah_answer,
+    write_niah_outputs,
+)
+from kvjax.generate import GenerateConfig, generate
+from kvjax.policies import make_policy
+from kvjax.weights import LoadedModel
+
+EOS = 3
+
+
+class CharTokenizer:
+    """One token per ASCII character; id 3 (a control character) is the end of turn."""
+
+    eos_ids = (EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) if ord(c) < 128 else ord("?") for c in text]
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return "".join(chr(int(i)) for i in ids if not (skip_special and int(i) == EOS))
+
+    def apply_chat_template(self, messages) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\x03" for m in messages) + "<assistant>"
+
+
+HAYSTACK = " ".join(f"Essay sentence number {i} says a thing or two." for i in range(200))
+NEEDLE_TOKENS = len(" " + NEEDLE)  # 97 characters
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama):
+    config, params = tiny_llama
+    return LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
+
+
+def _run(model, protocol, *, policy="full", budget=None, lengths=(384, 512), depths=(0, 50, 100)):
+    return run_niah(model, make_policy(policy, budget), lengths=list(lengths),
+                    depths=list(depths), protocol=protocol, budget=budget, max_new_tokens=6,
+                    chunk_size=128, haystack=HAYSTACK)
+
+
+@pytest.fixture(scope="module")
+def aware(tiny_model):
+    return _run(tiny_model, "query-aware")
+
+
+@pytest.fixture(scope="module")
+def agnostic(tiny_model):
+    return _run(tiny_model, NiahProtocol.QUERY_AGNOSTIC)
+
+
+def test_insert_needle_golden():
+    # 10 tokens, sentence ends ('.' = 0) after indices 2 and 6: boundaries at 3 and 7.
+    hay = [5, 5, 0, 5, 5, 5, 0, 5, 5, 5]
+    ends = (0).__eq__
+    assert insert_needle(hay, [9, 9], 0, ends)[1] == 0
+    assert insert_needle(hay, [9, 9], 60, ends)[1] == 3  # ⌊10·0.6⌋ = 6 → back to 3
+    assert insert_needle(hay, [9, 9], 70, ends)[1] == 7  # 7 itself is a boundary
+    assert insert_needle(hay, [9, 9], 25, ends)[1] == 0  # ⌊2.5⌋ = 2, no end before it
+    out, at = insert_needle(hay, [9, 9], 100, ends)  # 100%: appended at the very end
+    assert at == 10 and out == [*hay, 9, 9]
+
+
+@given(hay=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       depth=st.floats(0, 100, allow_nan=False))
+def test_insert_needle_properties(hay, depth):
+    ends = (0).__eq__
+    needle = [7, 8, 9]
+    out, at = insert_needle(hay, needle, depth, ends)
+    target = len(hay) if depth == 100 else math.floor(len(hay) * depth / 100)
+    assert at <= target
+    assert out == [*hay[:at], *needle, *hay[at:]]  # every token kept, in order
+    if depth < 100:
+        assert at == 0 or ends(hay[at - 1])
+        assert not any(ends(hay[j - 1]) for j in range(at + 1, target + 1))  # the last one
+
+
+def test_build_prompt_token_layout():
+    tok = CharTokenizer()
+    hay = tok.encode(HAYSTACK)
+    p = build_niah_prompt(tok, hay, length=512, depth=50)
+    head = tok.encode("<user>")
+    needle = tok.encode(" " + NEEDLE)
+    n = 512 - 200 - len(needle)
+    assert p.context[: len(head)] == head
+    body = p.context[len(head):]
+    at = p.needle_start - len(head)
+    assert len(body) == 512 - 200  # haystack + needle fill length − buffer
+    assert body[at: at + len(needle)] == needle
+    assert body[:at] + body[at + len(needle):] == hay[:n]  # haystack untouched
+    assert body[at - 1] == ord(".") and at <= n // 2
+    assert p.needle_depth == pytest.approx(100 * at / n)
+    assert tok.decode(p.question).startswith("\n\nWhat is the best thing to do in San Francisco?")
+    assert tok.decode(p.question).endswith("\x03<assistant>")
+
+
+@pytest.mark.parametrize("answer,score,soft", [
+    ("The best thing is to eat a sandwich and sit in Dolores Park.", 1.0, 5 / 7),
+    ("Eat a SANDWICH in dolores\n  park on a sunny day", 1.0, 6 / 7),  # case, whitespace
+    ("sandwiches in Dolores Park", 1.0, 2 / 7),  # substrings: 'sandwich' ⊂ 'sandwiches'
+    ("Sit in Dolores Park on a sunny day.", 0.0, 5 / 7),  # no sandwich
+    ("eat a sandwich in DoloresPark", 0.0, 2 / 7),  # 'dolores park' needs the space
+    ("The best thing to do in San Francisco", 0.0, 0.0),  # echoing the question earns nothing
+    ("", 0.0, 0.0),
+])
+def test_scoring_rule(answer, score, soft):
+    assert score_niah_answer(answer) == (score, pytest.approx(soft))
+
+
+def test_grid_and_json_structure(aware):
+    assert aware.protocol == "query-aware" and aware.policy == "full" and aware.budget is None
+    assert [(c.length, c.depth) for c in aware.cells] == [
+        (n, d) for n in (384, 512) for d in (0.0, 50.0, 100.0)]
+    assert set(aware.mean_score_by_length) == {"384", "512"}
+    data = json.loads(json.dumps(dataclasses.asdict(aware)))
+    cell = data["cells"][0]
+    assert set(cell) >= {"length", "depth", "score", "soft_score", "answer", "prompt_tokens",
+                         "live_kv_bytes"}
+    for c in aware.cells:
+        assert c.prompt_tokens <= c.length - 6  # prompt + answer fit in the context length
+        assert 1 <= len(c.answer_tokens) <= 6
+        # full keeps every written token: the prompt and each answer token but a final stop.
+        written = c.prompt_tokens + len(c.answer_tokens) - (c.answer_tokens[-1] == EOS)
+        assert c.live_kv_bytes == written * 2 * 2 * 16 * 2 * 4  # L·Hkv·D·(K,V)·float32
+
+
+def test_full_cache_protocols_agree(aware, agnostic):
+    assert agnostic.protocol == "query-agnostic"
+    assert [c.answer_tokens for c in aware.cells] == [c.answer_tokens for c in agnostic.cells]
+    assert [c.live_kv_bytes for c in aware.cells] == [c.live_kv_bytes for c in agnostic.cells]
+
+
+def test_generate_from_cache_matches_generate(tiny_model, aware):
+    # The query-aware cell (length 384, depth 50) through `kvjax.generate.generate`.
+    p = build_niah_prompt(tiny_model.tokenizer, tiny_model.tokenizer.encode(HAYSTACK),
+                          length=384, depth=50)
+    gen = GenerateConfig(max_new_tokens=6, stop_tokens=(EOS,), chunk_size=128)
+    ref = generate(tiny_model.config, tiny_model.params, [p.context + p.question],
+                   policy=make_policy("full"), gen=gen)
+    n = int(ref.num_generated[0])
+    assert np.asarray(ref.tokens)[0, :n].tolist() == aware.cells[1].answer_tokens
+
+
+def test_budgeted_policy(tiny_model):
+    r = _run(tiny_model, "query-agnostic", policy="window", budget=64, lengths=(384,),
+             depths=(50,))
+    assert r.budget == 64 and r.policy == "window"
+    assert r.cells[0].live_kv_bytes == 64 * 2 * 2 * 16 * 2 * 4  # the window is full
+
+
+def test_outputs_written(aware, tmp_path):
+    json_path, png_path = write_niah_outputs(aware, tmp_path / "out")
+    assert json_path.endswith("full_query-aware.json") and png_path.endswith(".png")
+    with open(png_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert read_niah_result(json_path) == aware  # JSON round trip
+
+
+@pytest.mark.parametrize("lengths,depths,match", [
+    ([1024], [101], "outside"), ([1024], [-1], "outside"), ([200], [50], "buffer"),
+    ([], [50], "at least one"), ([1024], [], "at least one"), ([1024, 1024], [0], "repeated")])
+def test_bad_grid(lengths, depths, match):
+    with pytest.raises(ValueError, match=match):
+        check_niah_grid(lengths, depths)
+
+
+def test_bad_run_input(tiny_model):
+    with pytest.raises(ValueError, match="unknown protocol"):
+        _run(tiny_model, "sideways")
+    with pytest.raises(ValueError, match="no room for the haystack"):
+        _run(tiny_model, "query-aware", lengths=(250,))  # 250 − 200 < the 97-token needle
+    with pytest.raises(ValueError, match="haystack has only"):
+        _run(tiny_model, "query-aware", lengths=(1 << 16,))
+    with pytest.raises(ValueError, match="buffer"):
+        run_niah(tiny_model, make_policy("full"), lengths=[512], depths=[0],
+                 protocol="query-aware", max_new_tokens=150, haystack=HAYSTACK)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--policy", "bogus"], "unknown policy"), (["--policy", "window"], "needs a budget"),
+    (["--depths", "120"], "outside"), (["--lengths", "150"], "buffer")])
+def test_cli_bad_input(argv, match, capsys):
+    assert main(["niah", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm_finds_needle_at_1k(smollm):
+    r = run_niah(smollm, make_policy("full"), lengths=[1024], depths=[50],
+                 protocol="query-aware")
+    assert r.cells[0].score == 1.0, r.cells[0].answer
