@@ -11,6 +11,7 @@ CASES = {
     "h2o": {},
     "tova": {},
     "random": {"recent": 3, "seed": 1},
+    "snapkv": {"window": 3, "observation": 4, "pool": 3},
     "confkv": {"protected": 3, "fp_window": 3, "int8": False},
     "confkv-int8": {"protected": 2, "fp_window": 4},
     "confkv-l": {"protected": 2, "fp_window": 3, "num_layers": 2},

@@ -30,7 +30,8 @@ def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache
         tokens: [B, T] int32.
         valid: [B, T] bool; a sequence's valid tokens must be a prefix of its T (padding after).
             Invalid tokens are not cached and do not advance the sequence.
-        query_weight: [B, T] weight of each query in the attention mass the policy sees.
+        query_weight: [B, T] weight of each query in the attention mass the policy sees
+            (default: the policy's `query_weight`, else every valid query once).
         implementation: attention implementation.
 
     Returns:
@@ -39,6 +40,8 @@ def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache
     """
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if query_weight is None:
+        query_weight = policy.query_weight(positions, valid)
     out = forward(config, params, tokens, positions, valid, cache, query_weight=query_weight,
                   implementation=implementation)
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)

@@ -8,6 +8,7 @@ from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._ranked import RankedPolicy
 from kvjax.policies._registry import BUDGETLESS, NEEDS_LAYERS, POLICIES, make_policy
+from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
 from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
@@ -24,6 +25,7 @@ __all__ = [
     "PositionalPolicy",
     "RandomPolicy",
     "RankedPolicy",
+    "SnapKVPolicy",
     "StreamingPolicy",
     "TOVAPolicy",
     "WindowPolicy",

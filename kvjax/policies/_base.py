@@ -56,6 +56,12 @@ class Policy(abc.ABC):
         del state
         return jnp.full((batch,), -1, jnp.int32)
 
+    def query_weight(self, pos_new: Array, valid: Array) -> Array | None:
+        """[B, T] weight of each query of this call in the attention mass the policy sees
+        (None: every valid query counts once)."""
+        del pos_new, valid
+        return None
+
     def begin_step(self, state: Any, logits: Array, valid: Array) -> Any:
         """Update policy-wide state from this step's next-token logits [B, V] (valid: [B])."""
         del logits, valid

@@ -50,6 +50,10 @@ class RankedPolicy(Policy):
     def ring(self) -> int:
         """W: most recent tokens, kept in full precision and never evicted."""
 
+    # Decode keeps the ranked region as prefill left it: scores stop changing and a token leaving
+    # the ring only enters the ranked region if there is a free slot (SnapKV).
+    frozen_in_decode = False
+
     @property
     def sinks(self) -> int:
         return 0
@@ -83,6 +87,10 @@ class RankedPolicy(Policy):
         """Keep-priority (higher = keep) at current position cur (broadcast [B, 1, 1])."""
         del pos, cur, layer_index
         return score
+
+    def candidate_scores(self, cands: Tokens) -> Array:
+        """Hook for the merge path: final scores of all candidates (SnapKV pools here)."""
+        return cands.score
 
     # --- cache layout ------------------------------------------------------------------------
     def _check(self) -> None:
@@ -141,7 +149,8 @@ class RankedPolicy(Policy):
         w = self.ring
         cur = pos_new[:, 0]
         cur3 = cur[:, None, None]
-        layer = self._scored(layer, stats, cur3, state, li)
+        if not self.frozen_in_decode:
+            layer = self._scored(layer, stats, cur3, state, li)
         budget = self.ranked_budget(state, li, b)[:, None]  # [B, 1]
         layer = self._shrink(layer, budget, cur3, li)
         new = Tokens(k=jnp.swapaxes(k_new, 1, 2), v=jnp.swapaxes(v_new, 1, 2),
@@ -155,6 +164,8 @@ class RankedPolicy(Policy):
         lowest = jnp.argmin(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
         lowest_prio = jnp.min(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
+        if self.frozen_in_decode:
+            leave_prio = jnp.full_like(leave_prio, -_INF)
         m = ranked.pos.shape[-1]
         target = jnp.where(live < budget, live, jnp.where(leave_prio > lowest_prio, lowest, m))
         target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
@@ -196,13 +207,16 @@ class RankedPolicy(Policy):
                      score=self.init_score(stats.new_mass, pos, state, li))
         ring = fp_slice(layer, 0, w)
         stays = lambda p: (p >= 0) & (p > cur3 - w)  # among the w most recent
-        # Ring leavers and new tokens too old for the ring compete for the ranked region.
-        drop = lambda toks, keep: toks.replace(pos=jnp.where(keep, -1, toks.pos))
-        cands = drop(ring, stays(ring.pos)).concat(drop(new, stays(new.pos)))
         ranked = self._ranked(layer)
+        fresh = ring.concat(new)
         if self.int8:
-            cands = cands.quantized()
-        cands = ranked.concat(cands)
+            fresh = fresh.quantized()
+        cands = ranked.concat(fresh)
+        # Scores see every token (SnapKV pools votes over all neighbours); then ring leavers and
+        # new tokens too old for the ring compete with the ranked region.
+        stay = jnp.concatenate([jnp.zeros_like(ranked.pos, bool), stays(fresh.pos)], axis=-1)
+        cands = cands.replace(score=self.candidate_scores(cands),
+                              pos=jnp.where(stay, -1, cands.pos))
         budget = self.ranked_budget(state, li, b)[:, None]
         kept = _select_prefix(cands, self._prio(cands, cur3, li), budget, ranked.pos.shape[-1])
         layer = self._set_ranked(layer, kept)

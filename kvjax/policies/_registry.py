@@ -10,6 +10,7 @@ from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._random import RandomPolicy
+from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
 from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
@@ -17,7 +18,7 @@ from kvjax.policies._window import WindowPolicy
 POLICIES: dict[str, type[Policy] | functools.partial] = {
     cls.name: cls
     for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy,
-                ConfKVPolicy)
+                SnapKVPolicy, ConfKVPolicy)
 }
 # Named presets of a policy class.
 POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
