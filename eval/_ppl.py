@@ -43,14 +43,14 @@ def essay_tokens(model: LoadedModel, n_tokens: int, name: str = "avg.txt") -> np
 
 def run_ppl(model: LoadedModel, policy: Policy, *, n_tokens: int, text: str = "avg.txt",
             chunk: int = 1, segment: int = 256, budget: int | None = None,
-            progress: bool = True) -> PplResult:
+            cache_dtype=None, progress: bool = True) -> PplResult:
     """Teacher-forced perplexity over tokens 1..N-1 of an essay through `policy`'s cache."""
     if n_tokens < 2:
         raise ValueError(f"--tokens must be >= 2, got {n_tokens}")
     tokens = essay_tokens(model, n_tokens, text)
     t0 = time.perf_counter()
     out = score_tokens(model.config, model.params, tokens, policy=policy, chunk=chunk,
-                       segment=segment, progress=progress)
+                       segment=segment, cache_dtype=cache_dtype, progress=progress)
     nll = np.asarray(out.nll, np.float64)[0]
     seconds = time.perf_counter() - t0
     live = slots_to_bytes(np.asarray(out.live_slots)[:, 0], slot_bytes_per_layer(out.cache))

@@ -15,6 +15,7 @@ CASES = {
     "confkv": {"protected": 3, "fp_window": 3, "int8": False},
     "confkv-int8": {"protected": 2, "fp_window": 4},
     "confkv-l": {"protected": 2, "fp_window": 3, "num_layers": 2},
+    "kivi": {"residual": 8, "group": 4, "bits": 2, "value_group": 8},
 }
 NAMES = list(CASES)
 
@@ -22,6 +23,6 @@ NAMES = list(CASES)
 def build(case: str, budget: int):
     """The policy of a case at a budget (full ignores the budget)."""
     name = {"confkv-int8": "confkv"}.get(case, case)
-    if name == "full":
-        return make_policy("full")
+    if name in ("full", "kivi"):
+        return make_policy(name, **CASES[case])
     return make_policy(name, budget, **CASES[case])

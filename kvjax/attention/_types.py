@@ -18,9 +18,11 @@ class AttnStats:
         new_mass: [B, Hkv, T] float32 mass on each of the T tokens of this call.
         lse: [B, T, Hq] float32 log-sum-exp of each query's scaled logits.
         int8_mass: [B, Hkv, Cq] float32 mass on each INT8 slot (None without an INT8 tier).
+        lowbit_mass: [B, Hkv, P, G] float32 mass on each low-bit slot (None without that tier).
     """
 
     slot_mass: Array
     new_mass: Array
     lse: Array
     int8_mass: Array | None = None
+    lowbit_mass: Array | None = None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
 from kvjax.cache import LayerCache
-from kvjax.quant import dequantize_int8
+from kvjax.quant import dequantize_int8, dequantize_per_channel, dequantize_per_token, unpack
 
 Array = jax.Array
 
@@ -21,7 +21,7 @@ _NEG = -1e30
 
 def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array,
                new_valid: Array, query_weight: Array, *, scale: float) -> tuple[Array, AttnStats]:
-    """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ new tokens].
+    """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ low-bit ‖ new tokens].
 
     Args:
         q: [B, T, Hq, D] queries (after RoPE).
@@ -46,6 +46,13 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
         t8 = layer.int8
         cache_segs.append((dequantize_int8(t8.k, t8.k_scale, q.dtype),
                            dequantize_int8(t8.v, t8.v_scale, q.dtype), t8.pos))
+    if layer.lowbit is not None:
+        lb = layer.lowbit
+        b_, h_, p_, g_ = lb.pos.shape
+        k8 = dequantize_per_channel(unpack(lb.k, lb.bits), lb.k_scale, lb.k_zero, q.dtype)
+        v8 = dequantize_per_token(unpack(lb.v, lb.bits), lb.v_scale, lb.v_zero, q.dtype)
+        flat = lambda x: x.reshape(b_, h_, p_ * g_, *x.shape[4:])
+        cache_segs.append((flat(k8), flat(v8), lb.pos.reshape(b_, h_, p_ * g_)))
     scores, masks = [], []
     for k, _, pos in cache_segs:
         scores.append(einsum_f32("bthgd,bhcd->bhgtc", qg, k) * scale)
@@ -66,8 +73,12 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     out = out + einsum_f32("bhgts,bshd->bthgd", probs[-1].astype(v_new.dtype), v_new)
     w = query_weight.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     mass = [jnp.sum(p * w, axis=(2, 3)) for p in probs]
+    tiers = iter(mass[1:-1])
+    int8_mass = next(tiers) if layer.int8 is not None else None
+    lowbit_mass = (next(tiers).reshape(layer.lowbit.pos.shape) if layer.lowbit is not None
+                   else None)
     stats = AttnStats(
         slot_mass=mass[0], new_mass=mass[-1],
         lse=jnp.transpose(m + jnp.log(denom), (0, 3, 1, 2)).reshape(b, t, hq),
-        int8_mass=mass[1] if layer.int8 is not None else None)
+        int8_mass=int8_mass, lowbit_mass=lowbit_mass)
     return out.reshape(b, t, hq, d).astype(q.dtype), stats

@@ -10,7 +10,15 @@ from kvjax.cache._bytes import (
     slots_to_bytes,
 )
 from kvjax.cache._ops import write_slots
-from kvjax.cache._state import EMPTY, Cache, CacheSpec, Int8Tier, LayerCache, init_cache
+from kvjax.cache._state import (
+    EMPTY,
+    Cache,
+    CacheSpec,
+    Int8Tier,
+    LayerCache,
+    LowBitTier,
+    init_cache,
+)
 
 __all__ = [
     "EMPTY",
@@ -19,6 +27,7 @@ __all__ = [
     "CacheSpec",
     "Int8Tier",
     "LayerCache",
+    "LowBitTier",
     "init_cache",
     "layer_slot_bytes",
     "live_bytes",

@@ -18,20 +18,23 @@ from kvjax.cache._state import Cache, LayerCache
 Array = jax.Array
 
 
-TIERS = ("full", "int8")  # order of the tier axis in slot counts
+# Order of the tier axis in live counts. Full and INT8 count slots; the low-bit tier counts pages.
+TIERS = ("full", "int8", "lowbit")
 
 
-def layer_slot_bytes(layer: LayerCache) -> tuple[int, int]:
-    """K/V bytes of one slot of one KV head of this layer, per tier (0 for an absent tier).
+def layer_slot_bytes(layer: LayerCache) -> tuple[int, int, int]:
+    """K/V bytes of one unit of one KV head of this layer, per tier (0 for an absent tier).
 
-    Full precision: 2·D·itemsize. INT8: 2·D codes + two float32 scales.
+    Full precision: 2·D·itemsize per slot. INT8: 2·D codes + two float32 scales per slot.
+    Low-bit: one page of G tokens, codes + per-channel key and per-token value scales/zeros.
     """
     full = layer.k.shape[-1] * layer.k.dtype.itemsize + layer.v.shape[-1] * layer.v.dtype.itemsize
-    return full, 0 if layer.int8 is None else layer.int8.slot_bytes()
+    return (full, 0 if layer.int8 is None else layer.int8.slot_bytes(),
+            0 if layer.lowbit is None else layer.lowbit.page_bytes())
 
 
 def slot_bytes_per_layer(cache: Cache) -> np.ndarray:
-    """[L, 2] int64: K/V bytes of one slot of one KV head, per layer and tier."""
+    """[L, 3] int64: K/V bytes of one unit of one KV head, per layer and tier."""
     return np.array([layer_slot_bytes(layer) for layer in cache.layers], np.int64)
 
 
@@ -41,19 +44,22 @@ def physical_bytes(cache: Cache) -> int:
 
 
 def _layer_tier_slots(layer: LayerCache) -> Array:
-    """[B, 2] int32 occupied slots per tier, summed over KV heads."""
+    """[B, 3] int32 occupied units per tier (slots, slots, pages), summed over KV heads."""
     full = jnp.sum(layer.live_slots(), axis=-1)
-    q = jnp.zeros_like(full) if layer.int8 is None else jnp.sum(layer.int8.live_slots(), axis=-1)
-    return jnp.stack([full, q], axis=-1)
+    zero = jnp.zeros_like(full)
+    q = zero if layer.int8 is None else jnp.sum(layer.int8.live_slots(), axis=-1)
+    lb = zero if layer.lowbit is None else jnp.sum(layer.lowbit.live_pages(), axis=-1)
+    return jnp.stack([full, q, lb], axis=-1)
 
 
 def live_slots_per_layer(cache: Cache) -> Array:
-    """[B, L, 2] int32: occupied slots per layer and tier (full, int8), summed over KV heads."""
+    """[B, L, 3] int32: occupied units per layer and tier (full slots, INT8 slots, low-bit
+    pages), summed over KV heads."""
     return jnp.stack([_layer_tier_slots(layer) for layer in cache.layers], axis=1)
 
 
 def slots_to_bytes(slots, slot_bytes: np.ndarray) -> np.ndarray:
-    """[..., L, 2] slot counts and [L, 2] slot bytes → [...] int64 live bytes."""
+    """[..., L, 3] unit counts and [L, 3] unit bytes → [...] int64 live bytes."""
     s = np.asarray(slots, np.int64)
     return np.sum(s * np.asarray(slot_bytes, np.int64), axis=(-2, -1))
 

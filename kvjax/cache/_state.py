@@ -31,6 +31,10 @@ class CacheSpec:
         capacities: C per layer (a tuple of L ints; pyramidal policies give layers different C).
         dtype: storage dtype of the full-precision tier.
         int8_capacities: slots of the INT8 tier per layer (None: no INT8 tier).
+        lowbit_pages: pages of the low-bit tier per layer (None: no low-bit tier).
+        lowbit_page_size: G, tokens per low-bit page (keys share per-channel statistics).
+        lowbit_bits: code width of the low-bit tier.
+        lowbit_value_group: channels per value scale/zero group.
     """
 
     batch: int
@@ -39,6 +43,10 @@ class CacheSpec:
     capacities: tuple[int, ...]
     dtype: Any = jnp.float32
     int8_capacities: tuple[int, ...] | None = None
+    lowbit_pages: tuple[int, ...] | None = None
+    lowbit_page_size: int = 32
+    lowbit_bits: int = 2
+    lowbit_value_group: int = 32
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -97,6 +105,47 @@ class Int8Tier:
 
 
 @struct.dataclass
+class LowBitTier:
+    """Pages of G tokens stored as packed low-bit codes, KIVI style (written once per page):
+    keys quantized per channel over the page's tokens, values per token over channel groups.
+
+    Attributes:
+        k: [B, Hkv, P, G, D·bits/8] uint8 packed key codes (see kvjax.quant.pack).
+        v: [B, Hkv, P, G, D·bits/8] uint8 packed value codes.
+        k_scale, k_zero: [B, Hkv, P, D] float32 per page and channel.
+        v_scale, v_zero: [B, Hkv, P, G, D / value_group] float32 per token and channel group.
+        pos: [B, Hkv, P, G] int32 original positions; EMPTY if free.
+        score: [B, Hkv, P] float32 per-page policy score.
+        bits: code width (2, 4 or 8), static.
+    """
+
+    k: Array
+    v: Array
+    k_scale: Array
+    k_zero: Array
+    v_scale: Array
+    v_zero: Array
+    pos: Array
+    score: Array
+    bits: int = struct.field(pytree_node=False, default=2)
+
+    @property
+    def page_size(self) -> int:
+        return self.pos.shape[-1]
+
+    def live_pages(self) -> Array:
+        """[B, Hkv] int32 pages holding at least one token."""
+        return jnp.sum(jnp.any(self.pos >= 0, axis=-1), axis=-1, dtype=jnp.int32)
+
+    def page_bytes(self) -> int:
+        """K/V bytes of one page of one KV head: codes plus all their scales and zeros."""
+        g = self.page_size
+        codes = 2 * g * self.k.shape[-1]
+        stats = 2 * self.k_scale.shape[-1] * 4 + 2 * g * self.v_scale.shape[-1] * 4
+        return codes + stats
+
+
+@struct.dataclass
 class LayerCache:
     """One layer's slots: a full-precision tier and an optional INT8 tier.
 
@@ -106,6 +155,7 @@ class LayerCache:
         pos: [B, Hkv, C] int32 original position of the token in each slot; EMPTY (-1) if free.
         score: [B, Hkv, C] float32, the policy's per-slot score (its meaning is the policy's).
         int8: the INT8 tier, or None.
+        lowbit: the paged low-bit tier, or None.
     """
 
     k: Array
@@ -113,6 +163,7 @@ class LayerCache:
     pos: Array
     score: Array
     int8: Int8Tier | None = None
+    lowbit: LowBitTier | None = None
 
     @property
     def capacity(self) -> int:
@@ -151,12 +202,14 @@ def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
     """An empty cache: all slots EMPTY, all data zero."""
     b, h, d = spec.batch, spec.num_kv_heads, spec.head_dim
     q_caps = spec.int8_capacities or (None,) * spec.num_layers
+    pages = spec.lowbit_pages or (None,) * spec.num_layers
     layers = tuple(
         LayerCache(k=jnp.zeros((b, h, c, d), spec.dtype), v=jnp.zeros((b, h, c, d), spec.dtype),
                    pos=jnp.full((b, h, c), EMPTY, jnp.int32),
                    score=jnp.zeros((b, h, c), jnp.float32),
-                   int8=None if cq is None else _empty_int8(b, h, cq, d))
-        for c, cq in zip(spec.capacities, q_caps, strict=True))
+                   int8=None if cq is None else _empty_int8(b, h, cq, d),
+                   lowbit=None if p is None else _empty_lowbit(spec, p))
+        for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True))
     return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
 
 
@@ -166,3 +219,22 @@ def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
                     v_scale=jnp.zeros((b, h, c), jnp.float32),
                     pos=jnp.full((b, h, c), EMPTY, jnp.int32),
                     score=jnp.zeros((b, h, c), jnp.float32))
+
+
+def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier:
+    b, h, d, g = spec.batch, spec.num_kv_heads, spec.head_dim, spec.lowbit_page_size
+    dp = d * spec.lowbit_bits // 8
+    if d % spec.lowbit_value_group or (d * spec.lowbit_bits) % 8:
+        raise ValueError(f"head_dim {d} must be a multiple of lowbit_value_group "
+                         f"({spec.lowbit_value_group}) and pack into bytes at "
+                         f"{spec.lowbit_bits} bits")
+    ng = d // spec.lowbit_value_group
+    f32 = jnp.float32
+    return LowBitTier(k=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
+                      v=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
+                      k_scale=jnp.zeros((b, h, pages, d), f32),
+                      k_zero=jnp.zeros((b, h, pages, d), f32),
+                      v_scale=jnp.zeros((b, h, pages, g, ng), f32),
+                      v_zero=jnp.zeros((b, h, pages, g, ng), f32),
+                      pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
+                      score=jnp.zeros((b, h, pages), f32), bits=spec.lowbit_bits)

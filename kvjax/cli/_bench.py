@@ -8,6 +8,7 @@ import dataclasses
 import jax
 
 from kvjax.cli._common import DTYPES, add_policy_args, build_policy, emit
+from kvjax.policies import BUDGETLESS
 from kvjax.models import PRESETS, init_params
 
 
@@ -48,10 +49,10 @@ def run_decode(args: argparse.Namespace) -> int:
         params = init_params(config, jax.random.key(0), dtype=dtype)
     rows = []
     for name in args.policy:
-        policy = build_policy(name, args)
+        policy = build_policy(name, args, config.num_layers)
         for ctx in args.contexts:
             r = bench_decode(config, params, policy, context=ctx, batch=args.batch,
-                             steps=args.steps, budget=None if name == "full" else args.budget,
+                             steps=args.steps, budget=None if name in BUDGETLESS else args.budget,
                              fill_chunk=min(args.fill_chunk, ctx),
                              copy_bytes=args.copy_mib << 20)
             rows.append(dataclasses.asdict(r))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import sys
@@ -10,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvjax.policies import POLICIES, Policy, make_policy
+from kvjax.policies import BUDGETLESS, POLICIES, Policy, make_policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,13 +33,35 @@ def add_policy_args(p: argparse.ArgumentParser, *, multi: bool = False) -> None:
     p.add_argument("--budget", type=int, default=None,
                    help="tokens kept per KV head per layer (all policies but full)")
     p.add_argument("--sinks", type=int, default=None, help="attention sinks (streaming)")
+    p.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="confkv: store retained tokens older than the fp window in INT8 "
+                        "(default on)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any policy hyperparameter, e.g. --set tau=0.6 --set protected=16")
 
 
-def build_policy(name: str, args: argparse.Namespace) -> Policy:
+def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Hyperparameters given on the command line (--sinks, --int8, --set k=v)."""
     kwargs: dict[str, Any] = {}
     if getattr(args, "sinks", None) is not None:
         kwargs["sinks"] = args.sinks
-    return make_policy(name, None if name == "full" else args.budget, **kwargs)
+    if getattr(args, "int8", None) is not None:
+        kwargs["int8"] = args.int8
+    for item in getattr(args, "set", []):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def build_policy(name: str, args: argparse.Namespace, num_layers: int | None = None) -> Policy:
+    """The policy named on the command line, with its flags (validated: bad values raise)."""
+    return make_policy(name, None if name in BUDGETLESS else args.budget, num_layers=num_layers,
+                       **policy_kwargs(args))
 
 
 def load(args: argparse.Namespace):

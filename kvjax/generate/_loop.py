@@ -35,11 +35,11 @@ class Telemetry:
 
     Attributes:
         confidence: [N, B] float32 CONF-KV confidence of the distribution the token came from.
-        live_slots: [N, B, L, 2] int32 occupied slots per layer and tier (full, int8), summed
-            over KV heads, after the step.
+        live_slots: [N, B, L, 3] int32 occupied units per layer and tier (full slots, INT8
+            slots, low-bit pages), summed over KV heads, after the step.
         budget: [N, B] int32 the policy's token budget chosen for the step (-1: fixed budget).
         steps: [] int32 number of decode steps run.
-        slot_bytes: [L, 2] int32 K/V bytes of one slot of one KV head, per layer and tier.
+        slot_bytes: [L, 3] int32 K/V bytes of one unit of one KV head, per layer and tier.
     """
 
     confidence: Array
@@ -153,7 +153,7 @@ def _generate(config: ModelConfig, policy: Policy, gen: GenerateConfig, spec: Ca
 
     stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
     telemetry = Telemetry(confidence=jnp.zeros((n, b), jnp.float32),
-                          live_slots=jnp.zeros((n, b, config.num_layers, 2), jnp.int32),
+                          live_slots=jnp.zeros((n, b, config.num_layers, 3), jnp.int32),
                           budget=jnp.full((n, b), -1, jnp.int32),
                           steps=jnp.int32(0),
                           slot_bytes=jnp.asarray(slot_bytes_per_layer(cache), jnp.int32))

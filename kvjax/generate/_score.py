@@ -27,7 +27,7 @@ Array = jax.Array
 class ScoreOutput:
     """Attributes:
     nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1.
-    live_slots: [S-1, B, L, 2] int32 occupied slots per layer and tier when each prediction was
+    live_slots: [S-1, B, L, 3] int32 occupied units per layer and tier when each prediction was
         made (after the token that makes it was written).
     cache: the final cache.
     """

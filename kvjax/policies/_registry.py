@@ -9,6 +9,7 @@ from kvjax.policies._base import Policy
 from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
+from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
@@ -18,11 +19,11 @@ from kvjax.policies._window import WindowPolicy
 POLICIES: dict[str, type[Policy] | functools.partial] = {
     cls.name: cls
     for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy,
-                SnapKVPolicy, ConfKVPolicy)
+                SnapKVPolicy, ConfKVPolicy, KIVIPolicy)
 }
 # Named presets of a policy class.
 POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
-BUDGETLESS = frozenset({"full"})
+BUDGETLESS = frozenset({"full", "kivi"})
 # Policies whose per-layer budgets need the model's layer count.
 NEEDS_LAYERS = frozenset({"confkv", "confkv-l"})
 
@@ -46,7 +47,10 @@ def make_policy(name: str, budget: int | None = None, *, num_layers: int | None 
     if name in BUDGETLESS:
         if budget is not None:
             raise ValueError(f"policy {name!r} keeps every token and takes no budget")
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"policy {name!r}: {e}") from None
     if budget is None:
         raise ValueError(f"policy {name!r} needs a budget (tokens kept per KV head)")
     if name in NEEDS_LAYERS and num_layers is not None:

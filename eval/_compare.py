@@ -1,0 +1,161 @@
+"""Matched-memory comparison: every policy at the live-byte budget of a sliding window, perplexity
+through its cache, one table and a Pareto plot (live bytes vs perplexity).
+
+Memory is matched on *peak live bytes* (K/V data of occupied slots, scales included, at steady
+state): a policy's token budget is the largest whose cache cannot exceed the window's bytes. For
+CONF-KV the peak is its loose budget; its mean live bytes (sawtooth) are reported too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvjax.cache import CacheSpec
+from kvjax.models import ModelConfig
+from kvjax.policies import BUDGETLESS, Policy, make_policy
+from kvjax.weights import LoadedModel
+
+
+def peak_live_bytes(spec: CacheSpec, unit_bytes: tuple[int, int, int]) -> int:
+    """Bytes of K/V data when every unit of every tier is occupied (all layers, heads, batch)."""
+    fp, q, page = unit_bytes
+    q_caps = spec.int8_capacities or (0,) * spec.num_layers
+    pages = spec.lowbit_pages or (0,) * spec.num_layers
+    per_head = sum(c * fp + cq * q + p * page
+                   for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True))
+    return spec.batch * spec.num_kv_heads * per_head
+
+
+def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsize: int) -> int:
+    spec = policy.cache_spec(batch=1, num_layers=config.num_layers,
+                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             max_len=max_len, dtype=np.float32)
+    d, g = config.head_dim, spec.lowbit_page_size
+    ng = d // min(spec.lowbit_value_group, d)
+    page = 2 * g * d * spec.lowbit_bits // 8 + 2 * d * 4 + 2 * g * ng * 4
+    return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page))
+
+
+def matched_budget(make: Callable[[int], Policy], config: ModelConfig, target: int,
+                   itemsize: int, *, max_tokens: int) -> int:
+    """Largest budget whose peak live bytes fit in `target`. Budgets below a policy's minimum
+    (it raises ValueError) are skipped; bytes grow with the budget, so bisection finds the edge."""
+
+    def valid(b: int) -> bool:
+        try:
+            make(b)
+            return True
+        except ValueError:
+            return False
+
+    def bisect(ok, lo: int, hi: int) -> int:
+        """Largest b in [lo, hi] with ok(b), given ok(lo) and ok monotone decreasing."""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+        return lo
+
+    cap = 16 * max_tokens
+    if not valid(cap):
+        raise ValueError(f"the policy rejects every budget up to {cap}")
+    smallest = 1 if valid(1) else bisect(lambda b: not valid(b), 1, cap) + 1
+    bytes_of = lambda b: policy_peak_bytes(make(b), config, max_tokens, itemsize)
+    if bytes_of(smallest) > target:
+        raise ValueError(f"even the smallest budget ({smallest}) of this policy needs "
+                         f"{bytes_of(smallest)} bytes > {target}")
+    return bisect(lambda b: bytes_of(b) <= target, smallest, cap)
+
+
+# Table rows: label -> (registry name, fixed kwargs). `full` is the unbounded reference.
+ROWS: dict[str, tuple[str, dict]] = {
+    "full": ("full", {}),
+    "window": ("window", {}),
+    "streaming": ("streaming", {}),
+    "h2o": ("h2o", {}),
+    "tova": ("tova", {}),
+    "snapkv": ("snapkv", {}),
+    "random": ("random", {}),
+    "kivi": ("kivi", {}),
+    "confkv": ("confkv", {"int8": False}),
+    "confkv+int8": ("confkv", {"int8": True}),
+    "confkv-l": ("confkv-l", {"int8": True}),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompareRow:
+    label: str
+    window: int
+    budget: int | None
+    target_bytes: int
+    peak_live_bytes: int
+    ppl: float
+    live_bytes_mean: float
+    live_bytes_peak: int
+    seconds: float
+
+
+def run_compare(model: LoadedModel, labels: Sequence[str], *, windows: Sequence[int],
+                n_tokens: int, text: str = "avg.txt", cache_dtype: str = "bfloat16",
+                progress: bool = True) -> list[CompareRow]:
+    """Perplexity of each policy at the peak live bytes of each window size."""
+    from kvjax.eval._ppl import run_ppl
+
+    unknown = [x for x in labels if x not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    itemsize = np.dtype(cache_dtype).itemsize if cache_dtype != "bfloat16" else 2
+    cfg = model.config
+    rows = []
+    done = {}
+    for w in windows:
+        target = policy_peak_bytes(make_policy("window", w), cfg, n_tokens, itemsize)
+        for label in labels:
+            name, kw = ROWS[label]
+            if name in BUDGETLESS:  # no eviction: memory is whatever the method needs
+                policy, budget = make_policy(name), None
+            else:
+                make = lambda b, name=name, kw=kw: make_policy(name, b, num_layers=cfg.num_layers,
+                                                               **kw)
+                budget = matched_budget(make, cfg, target, itemsize, max_tokens=n_tokens)
+                policy = make(budget)
+            if name in BUDGETLESS and name in done:  # independent of the window size
+                res = done[name]
+            else:
+                res = run_ppl(model, policy, n_tokens=n_tokens, text=text, budget=budget,
+                              cache_dtype=cache_dtype, progress=progress)
+                done[name] = res
+            rows.append(CompareRow(
+                label=label, window=w, budget=budget, target_bytes=target,
+                peak_live_bytes=policy_peak_bytes(policy, cfg, n_tokens, itemsize),
+                ppl=res.ppl, live_bytes_mean=res.live_bytes_mean,
+                live_bytes_peak=res.live_bytes_peak, seconds=res.seconds))
+    return rows
+
+
+def plot_pareto(rows: Sequence[CompareRow], path: str, *, title: str) -> None:
+    """Live bytes (mean, MiB) vs perplexity, one marker per policy, one colour per window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    labels = sorted({r.label for r in rows}, key=list(ROWS).index)
+    markers = dict(zip(labels, "o^svDP*Xhp<>", strict=False))
+    for label in labels:
+        pts = [r for r in rows if r.label == label]
+        ax.plot([r.live_bytes_mean / 2**20 for r in pts], [r.ppl for r in pts],
+                marker=markers[label], ls="-" if len(pts) > 1 else "", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean live KV bytes (MiB, log scale)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
