@@ -8,8 +8,8 @@ import dataclasses
 import jax
 
 from kvjax.cli._common import DTYPES, add_policy_args, build_policy, emit
-from kvjax.policies import BUDGETLESS
 from kvjax.models import PRESETS, init_params
+from kvjax.policies import BUDGETLESS
 
 
 def register(sub) -> None:
