@@ -4,6 +4,21 @@ Installed as `kvjax.eval`; uses only kvjax's public API.
 """
 
 from kvjax.eval._bench import DecodeBench, bench_decode
+from kvjax.eval._confkl import (
+    ConfKLResult,
+    bootstrap_ci,
+    check_confidence_kl_args,
+    confidence_kl_rows,
+    held_out_essays,
+    iter_ablation_logits,
+    kl_divergence,
+    pearson,
+    plot_confidence_kl,
+    rankdata,
+    run_confidence_kl,
+    sample_positions,
+    spearman,
+)
 from kvjax.eval._niah import (
     NiahCell,
     NiahResult,
@@ -30,6 +45,7 @@ from kvjax.eval._niah_prompt import (
     score_niah_answer,
 )
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
+from kvjax.eval._trace import plot_trace
 
 __all__ = [
     "NEEDLE",
@@ -54,6 +70,20 @@ __all__ = [
     "read_niah_result",
     "run_niah",
     "run_ppl",
+    "plot_trace",
     "score_niah_answer",
     "write_niah_outputs",
+    "ConfKLResult",
+    "bootstrap_ci",
+    "check_confidence_kl_args",
+    "confidence_kl_rows",
+    "held_out_essays",
+    "iter_ablation_logits",
+    "kl_divergence",
+    "pearson",
+    "plot_confidence_kl",
+    "rankdata",
+    "run_confidence_kl",
+    "sample_positions",
+    "spearman",
 ]
