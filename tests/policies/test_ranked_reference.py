@@ -72,6 +72,7 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
                      else (policy.int8_capacities(1, 0)[0],))
     lc = init_cache(spec).layers[0]
     kept = []
+    codes_seen = {}  # (head, position) -> (k codes, k scale) when first quantized
     for t, (m, state) in enumerate(zip(masses, states, strict=True)):
         def mass_of(pos, m=m):  # [1, H, C] slot positions -> their random mass this step
             p = pos[0]
@@ -95,6 +96,10 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
                 for slot in np.nonzero(q >= 0)[0]:
                     val = float(lc.int8.k[0, h, slot, 0]) * float(lc.int8.k_scale[0, h, slot])
                     assert abs(val - q[slot]) <= abs(q[slot]) / 254 + 1e-6
+                    # Write-once: a token's codes and scale never change after quantization.
+                    now = (np.asarray(lc.int8.k[0, h, slot]).tobytes(),
+                           float(lc.int8.k_scale[0, h, slot]))
+                    assert codes_seen.setdefault((h, int(q[slot])), now) == now
             assert len(allp) == len(set(allp)), "a position is stored twice"
             for slot in np.nonzero(p >= 0)[0]:
                 assert float(lc.k[0, h, slot, 0]) == p[slot]
