@@ -32,7 +32,3 @@ class H2OPolicy(RankedPolicy):
     @property
     def ring(self) -> int:
         return max(1, round(self.budget * self.recent_ratio))
-
-    def max_budget(self, layer_index: int) -> int:
-        del layer_index
-        return self.budget

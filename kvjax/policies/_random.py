@@ -42,10 +42,6 @@ class RandomPolicy(RankedPolicy):
     def ring(self) -> int:
         return self.recent
 
-    def max_budget(self, layer_index: int) -> int:
-        del layer_index
-        return self.budget
-
     def update_score(self, score, mass, pos, cur, state, layer_index):
         del mass, pos, cur, state, layer_index
         return score

@@ -62,9 +62,10 @@ class RankedPolicy(Policy):
     def int8(self) -> bool:
         return False
 
-    @abc.abstractmethod
     def max_budget(self, layer_index: int) -> int:
-        """Largest total token budget (ring included) of a layer."""
+        """Largest total token budget (ring included) of a layer (default: the `budget` field)."""
+        del layer_index
+        return self.budget
 
     def ranked_budget(self, state: Any, layer_index: int, batch: int) -> Array:
         """[B] int32 slots of the ranked region allowed now (default: all of them)."""

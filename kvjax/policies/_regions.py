@@ -60,26 +60,27 @@ def int8_tokens(tier: Int8Tier) -> Tokens:
                   v_scale=tier.v_scale)
 
 
-def scatter_fp(layer: LayerCache, slots: Array, toks: Tokens) -> LayerCache:
-    """Write toks (N per head) into full-precision slots [B, H, N] (out of range = drop)."""
+_FP_FIELDS = ("k", "v", "pos", "score")
+_INT8_FIELDS = _FP_FIELDS + ("k_scale", "v_scale")
+
+
+def _scatter(store, slots: Array, toks: Tokens, fields: tuple[str, ...]):
+    """Write toks (N per head) into slots [B, H, N] of `store` (out of range = drop)."""
     b, h, _ = slots.shape
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(h)[None, :, None]
     put = lambda a, x: a.at[bi, hi, slots].set(x.astype(a.dtype), mode="drop")
-    return layer.replace(k=put(layer.k, toks.k), v=put(layer.v, toks.v),
-                         pos=put(layer.pos, toks.pos), score=put(layer.score, toks.score))
+    return store.replace(**{f: put(getattr(store, f), getattr(toks, f)) for f in fields})
+
+
+def scatter_fp(layer: LayerCache, slots: Array, toks: Tokens) -> LayerCache:
+    """Write full-precision toks into full-precision slots [B, H, N]."""
+    return _scatter(layer, slots, toks, _FP_FIELDS)
 
 
 def scatter_int8(tier: Int8Tier, slots: Array, toks: Tokens) -> Int8Tier:
-    """Write INT8 toks into INT8 slots [B, H, N] (out of range = drop)."""
-    b, h, _ = slots.shape
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    put = lambda a, x: a.at[bi, hi, slots].set(x.astype(a.dtype), mode="drop")
-    return tier.replace(k=put(tier.k, toks.k), v=put(tier.v, toks.v),
-                        k_scale=put(tier.k_scale, toks.k_scale),
-                        v_scale=put(tier.v_scale, toks.v_scale), pos=put(tier.pos, toks.pos),
-                        score=put(tier.score, toks.score))
+    """Write INT8 toks into INT8 slots [B, H, N]."""
+    return _scatter(tier, slots, toks, _INT8_FIELDS)
 
 
 def replace_fp_range(layer: LayerCache, start: int, toks: Tokens) -> LayerCache:

@@ -47,10 +47,6 @@ class SnapKVPolicy(RankedPolicy):
     def ring(self) -> int:
         return self.window
 
-    def max_budget(self, layer_index: int) -> int:
-        del layer_index
-        return self.budget
-
     def query_weight(self, pos_new, valid):
         last = jnp.max(jnp.where(valid, pos_new, -1), axis=1, keepdims=True)
         return (valid & (pos_new > last - self.observation)).astype(jnp.float32)

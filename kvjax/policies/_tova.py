@@ -29,10 +29,6 @@ class TOVAPolicy(RankedPolicy):
     def ring(self) -> int:
         return self.recent
 
-    def max_budget(self, layer_index: int) -> int:
-        del layer_index
-        return self.budget
-
     def update_score(self, score, mass, pos, cur, state, layer_index):
         del score, pos, cur, state, layer_index
         return mass  # only the current query counts
