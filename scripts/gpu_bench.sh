@@ -30,5 +30,32 @@ case "${1:-foundation}" in
     run bench decode --preset SmolLM2-135M --dtype bfloat16 --policy full window --budget 256 \
       --contexts 1024 4096 --batch 1 --steps 64 --copy-mib 4096 --out "$OUT/decode_smollm2.json"
     ;;
+  stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
+    mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
+  quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)
+    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
+    cat /tmp/parts/part_* > /tmp/smollm2.gguf
+    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls, no TF32, as on CPU
+    M=/tmp/smollm2.gguf
+    FINAL=$OUT
+    OUT=/tmp/quality && mkdir -p "$OUT"
+    trap 'tar czf "$FINAL/quality.tgz" -C /tmp quality' EXIT  # one file comes back
+    shift
+    for job in "$@"; do
+      case "$job" in
+        sweep)
+          for tau in 0.3 0.5 0.7; do for lam in 0 0.1 1.0; do
+            run ppl --model $M --policy confkv --budget 256 --tokens 1024 --text addiction.txt \
+              --cache-dtype bfloat16 --set tau=$tau --set recency_weight=$lam --json \
+              --out "$OUT/sweep_tau${tau}_lam${lam}.json" > /dev/null
+          done; done ;;
+        compare*)  # compare-W: all rows at the peak live bytes of a W-token window
+          w=${job#compare-}
+          run compare --model $M --windows "$w" --tokens 2048 --out-dir "$OUT/compare_w$w" \
+            --json > /dev/null ;;
+        *) echo "unknown job $job" >&2; exit 2 ;;
+      esac
+    done ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

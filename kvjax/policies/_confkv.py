@@ -32,7 +32,8 @@ class ConfKVPolicy(RankedPolicy):
         tau: confidence threshold τ (ours: 0.5).
         weights: (w_H, w_m, w_p) of the confidence score (paper: 0.4, 0.3, 0.3).
         ema_decay: decay of the attention-mass EMA (ours: 0.9).
-        recency_weight: λ in priority = EMA + λ · (pos + 1) / (cur + 1) (ours, see results).
+        recency_weight: λ in priority = EMA + λ · (pos + 1) / (cur + 1) (ours: 0, the best of
+            0/0.01/0.1/1 in the sweep of docs/results.md; recency still protects the window).
         protected: P, newest tokens never evicted (ours: 32).
         fp_window: W, newest tokens kept in full precision when int8 is on (ours: 64).
         int8: store retained tokens older than W in INT8 (per token and KV head).
@@ -46,7 +47,7 @@ class ConfKVPolicy(RankedPolicy):
     tau: float = 0.5
     weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
     ema_decay: float = 0.9
-    recency_weight: float = 0.1
+    recency_weight: float = 0.0
     protected: int = 32
     fp_window: int = 64
     int8: bool = True
