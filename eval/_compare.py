@@ -142,6 +142,7 @@ def plot_pareto(rows: Sequence[CompareRow], path: str, *, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     labels = sorted({r.label for r in rows}, key=list(ROWS).index)
@@ -151,6 +152,8 @@ def plot_pareto(rows: Sequence[CompareRow], path: str, *, title: str) -> None:
         ax.plot([r.live_bytes_mean / 2**20 for r in pts], [r.ppl for r in pts],
                 marker=markers[label], ls="-" if len(pts) > 1 else "", label=label)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("mean live KV bytes (MiB, log scale)")
     ax.set_ylabel("perplexity")
     ax.set_title(title)

@@ -148,7 +148,8 @@ def generate_from_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig
 
 
 def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
-             depths: Sequence[float], protocol: NiahProtocol | str, budget: int | None = None,
+             depths: Sequence[float], protocol: NiahProtocol | str, label: str | None = None,
+             budget: int | None = None,
              max_new_tokens: int = 32, template: NiahTemplate = DEFAULT_TEMPLATE,
              chunk_size: int = 256, haystack: str | None = None,
              on_cell: Callable[[NiahCell], None] | None = None) -> NiahResult:
@@ -156,10 +157,12 @@ def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
 
     Args:
         model: weights and tokenizer (with a chat template).
-        policy: the cache policy; `budget` is only recorded.
+        policy: the cache policy.
         lengths: context lengths in tokens (prompt + answer fit in each).
         depths: needle depths in percent of the haystack, in [0, 100].
         protocol: NiahProtocol or its value ("query-aware", "query-agnostic").
+        label: the policy's name in the result (default policy.name; e.g. a preset's name).
+        budget: recorded in the result only.
         max_new_tokens: answer length cap (generation also stops at the tokenizer's EOS ids).
         chunk_size: prompt tokens per prefill call; each length's prompts are padded to one
             bucket, so every depth of a length reuses one compilation.
@@ -193,8 +196,9 @@ def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
                          chunk_size=chunk_size)
     cells = []
     for n, prompts in grid.items():
-        spec = CacheSpec(batch=1, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                         capacities=policy.capacities(config.num_layers, n), dtype=dtype)
+        spec = policy.cache_spec(batch=1, num_layers=config.num_layers,
+                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                 max_len=n, dtype=dtype)
         bucket = -(-n // chunk_size) * chunk_size
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
@@ -210,7 +214,7 @@ def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
                 on_cell(cells[-1])
     by_len = {str(n): float(np.mean([c.score for c in cells if c.length == n])) for n in grid}
     return NiahResult(
-        model=config.name, policy=policy.name, budget=budget, protocol=protocol.value,
+        model=config.name, policy=label or policy.name, budget=budget, protocol=protocol.value,
         lengths=list(grid), depths=[float(d) for d in depths],
         mean_score=float(np.mean([c.score for c in cells])), mean_score_by_length=by_len,
         needle=NEEDLE, question=QUESTION, scoring=SCORING_RULE,

@@ -10,7 +10,7 @@ TOKENS=${TOKENS:-1024}
 BUDGET=${BUDGET:-256}
 mkdir -p "$OUT"
 for tau in 0.3 0.5 0.7; do
-  for lam in 0 0.1 1.0; do
+  for lam in 0 0.01 0.1 1.0; do
     .venv/bin/kvjax ppl --policy confkv --budget "$BUDGET" --tokens "$TOKENS" --text "$TEXT" \
       --cache-dtype bfloat16 --set tau=$tau --set recency_weight=$lam --json \
       --out "$OUT/tau${tau}_lam${lam}.json" > /dev/null

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load
+from kvjax.policies import BUDGETLESS
 
 _PROTOCOLS = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
               "both": ("query-agnostic", "query-aware")}
@@ -35,19 +36,21 @@ def run(args: argparse.Namespace) -> int:
 
     from kvjax.eval import check_niah_grid, niah_summary_rows, run_niah, write_niah_outputs
 
-    policies = [build_policy(name, args) for name in args.policy]  # bad input fails before loading
+    for name in args.policy:
+        build_policy(name, args)  # bad flags fail before the model loads
     check_niah_grid(args.lengths, args.depths)
     protocols = _PROTOCOLS[args.protocol]
     model = load(args)
-    n_cells = len(policies) * len(protocols) * len(args.lengths) * len(args.depths)
+    n_cells = len(args.policy) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
     with tqdm(total=n_cells, desc="niah", unit="cell", disable=args.json) as bar:
-        for policy in policies:
+        for name in args.policy:
+            policy = build_policy(name, args, model.config.num_layers)
             for protocol in protocols:
-                bar.set_postfix_str(f"{policy.name} {protocol}")
+                bar.set_postfix_str(f"{name} {protocol}")
                 r = run_niah(model, policy, lengths=args.lengths, depths=args.depths,
-                             protocol=protocol,
-                             budget=None if policy.name == "full" else args.budget,
+                             protocol=protocol, label=name,
+                             budget=None if name in BUDGETLESS else args.budget,
                              max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
                              on_cell=lambda _: bar.update())
                 results.append(r)
