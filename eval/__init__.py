@@ -22,8 +22,6 @@ from kvjax.eval._confkl import (
 from kvjax.eval._niah import (
     NiahCell,
     NiahResult,
-    generate_from_cache,
-    prefill_cache,
     run_niah,
 )
 from kvjax.eval._niah_plot import (
@@ -62,11 +60,9 @@ __all__ = [
     "build_niah_prompt",
     "check_niah_grid",
     "essay_tokens",
-    "generate_from_cache",
     "insert_needle",
     "niah_summary_rows",
     "plot_niah_heatmap",
-    "prefill_cache",
     "read_niah_result",
     "run_niah",
     "run_ppl",

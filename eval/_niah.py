@@ -8,7 +8,6 @@ context alone, then appends the question. Prompts and scoring: `_niah_prompt`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -17,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import Cache, CacheSpec, init_cache, live_bytes
-from kvjax.generate import GenerateConfig, model_step, sample
-from kvjax.models import ModelConfig, Params
+from kvjax.generate import GenerateConfig, generate_from_cache, prefill_cache
 from kvjax.policies import Policy
 from kvjax.weights import LoadedModel
 
@@ -75,76 +73,6 @@ class NiahResult:
     buffer: int
     max_new_tokens: int
     cells: list[NiahCell]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def prefill_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig, params: Params,
-                  cache: Cache, tokens: Array, lengths: Array) -> tuple[Cache, Array]:
-    """Stream prompts into `cache` through the policy, gen.chunk_size tokens per model call.
-
-    Args:
-        tokens: [B, S] int32 right-padded, S a multiple of gen.chunk_size.
-        lengths: [B] int32 real tokens per row (>= 1).
-
-    Returns:
-        the cache and [B, V] float32 logits after each row's last real token.
-    """
-    b, t = tokens.shape[0], gen.chunk_size
-
-    def body(carry):
-        i, cache, last = carry
-        start = i * t
-        toks = jax.lax.dynamic_slice_in_dim(tokens, start, t, axis=1)
-        valid = (start + jnp.arange(t))[None, :] < lengths[:, None]
-        logits, cache = model_step(config, policy, params, cache, toks, valid,
-                                   implementation=gen.implementation)
-        idx = lengths - 1 - start
-        here = (idx >= 0) & (idx < t)
-        at = jnp.take_along_axis(logits, jnp.clip(idx, 0, t - 1)[:, None, None], axis=1)
-        return i + 1, cache, jnp.where(here[:, None], at[:, 0], last)
-
-    n_chunks = (jnp.max(lengths) + t - 1) // t
-    _, cache, last = jax.lax.while_loop(
-        lambda c: c[0] < n_chunks, body,
-        (jnp.int32(0), cache, jnp.zeros((b, config.vocab_size), jnp.float32)))
-    return cache, last
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def generate_from_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig,
-                        params: Params, cache: Cache, tokens: Array, lengths: Array,
-                        key: Array) -> tuple[Array, Array, Cache]:
-    """`generate` continued from a filled cache: prefill `tokens` on top of it, then decode.
-
-    Args:
-        tokens: [B, S] int32 right-padded continuation, S a multiple of gen.chunk_size.
-        lengths: [B] int32 real tokens per row (>= 1).
-        key: sampling key (unused when greedy).
-
-    Returns:
-        [B, N] int32 generated ids (the stop token included, pad after), [B] int32 counts, and
-        the final cache (decode semantics as `kvjax.generate.generate`).
-    """
-    b, n = tokens.shape[0], gen.max_new_tokens
-    cache, logits = prefill_cache(config, policy, gen, params, cache, tokens, lengths)
-    stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
-
-    def decode(carry):
-        step, cache, logits, key, done, out, count = carry
-        key, sub = jax.random.split(key)
-        tok = jnp.where(done, gen.pad_id, sample(logits, sub, gen.sampling))
-        out = out.at[:, step].set(tok)
-        count = count + (~done).astype(jnp.int32)
-        done = done | jnp.isin(tok, stops)
-        logits, cache = model_step(config, policy, params, cache, tok[:, None], (~done)[:, None],
-                                   implementation=gen.implementation)
-        return step + 1, cache, logits[:, 0], key, done, out, count
-
-    init = (jnp.int32(0), cache, logits, key, jnp.zeros((b,), bool),
-            jnp.full((b, n), gen.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32))
-    _, cache, _, _, _, out, count = jax.lax.while_loop(
-        lambda c: (c[0] < n) & ~jnp.all(c[4]), decode, init)
-    return out, count, cache
 
 
 def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
@@ -233,12 +161,12 @@ def _answer(model: LoadedModel, policy: Policy, gen: GenerateConfig, spec: Cache
     cache = init_cache(spec, policy.init_state(1))
     key = jax.random.key(0)
     if protocol is NiahProtocol.QUERY_AWARE:
-        out, count, cache = generate_from_cache(model.config, policy, gen, model.params, cache,
-                                                *_padded(p.context + p.question, bucket), key)
+        res, cache = generate_from_cache(model.config, policy, gen, model.params, cache,
+                                         *_padded(p.context + p.question, bucket), key)
     else:
         cache, _ = prefill_cache(model.config, policy, gen, model.params, cache,
                                  *_padded(p.context, bucket))
         tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
-        out, count, cache = generate_from_cache(model.config, policy, tail, model.params, cache,
-                                                *_padded(p.question, tail.chunk_size), key)
-    return np.asarray(out)[0, : int(count[0])].tolist(), cache
+        res, cache = generate_from_cache(model.config, policy, tail, model.params, cache,
+                                         *_padded(p.question, tail.chunk_size), key)
+    return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache

@@ -1,6 +1,15 @@
 """The generate loop and its building blocks."""
 
-from kvjax.generate._loop import GenerateConfig, GenerateOutput, Telemetry, generate
+from kvjax.generate._loop import (
+    GenerateConfig,
+    GenerateOutput,
+    Telemetry,
+    decode,
+    generate,
+    generate_from_cache,
+    prefill,
+    prefill_cache,
+)
 from kvjax.generate._sampling import GREEDY, Sampling, sample
 from kvjax.generate._score import ScoreOutput, score_tokens
 from kvjax.generate._step import model_step, new_cache
@@ -12,9 +21,13 @@ __all__ = [
     "Sampling",
     "ScoreOutput",
     "Telemetry",
+    "decode",
     "generate",
+    "generate_from_cache",
     "model_step",
     "new_cache",
+    "prefill",
+    "prefill_cache",
     "sample",
     "score_tokens",
 ]

@@ -144,3 +144,24 @@ def test_bad_generate_input_is_named(tiny_llama, tiny_gpt2):
     g_config, g_params = tiny_gpt2
     with pytest.raises(ValueError, match="exceeds the model's 64 learned positions"):
         generate(g_config, g_params, [[1] * 60], policy=full, gen=GenerateConfig(max_new_tokens=8))
+
+
+def test_generate_from_cache_continues_exactly(tiny_llama):
+    """Prefill a context, then continue with a question: the same tokens as one generate()."""
+    import jax.numpy as jnp
+
+    from kvjax.generate import generate_from_cache, new_cache, prefill_cache
+
+    config, params = tiny_llama
+    ctx, question = prompts_of([13], seed=4)[0], prompts_of([5], seed=6)[0]
+    gen = GenerateConfig(max_new_tokens=7, chunk_size=4)
+    policy = make_policy("full")
+    ref = generate(config, params, [ctx + question], policy=policy, gen=gen)
+    cache = new_cache(config, policy, batch=1, max_len=64, dtype=jnp.float32)
+    pad = lambda ids, m: jnp.asarray([ids + [0] * (-len(ids) % m)], jnp.int32)
+    cache, _ = prefill_cache(config, policy, gen, params, cache, pad(ctx, 4),
+                             jnp.asarray([len(ctx)], jnp.int32))
+    out, cache = generate_from_cache(config, policy, gen, params, cache, pad(question, 4),
+                                     jnp.asarray([len(question)], jnp.int32), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(cache.length[0]) == len(ctx) + len(question) + 7
