@@ -9,6 +9,7 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m ruff check .
+	.venv/bin/python -m ruff format --check .
 	.venv/bin/python -m pytest -q -n 2
 
 lint: setup

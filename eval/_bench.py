@@ -56,22 +56,38 @@ def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
         h, d = layer.k.shape[1], layer.k.shape[3]
         k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
         v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
-        stats = AttnStats(slot_mass=jax.random.uniform(km, layer.pos.shape),
-                          new_mass=jax.random.uniform(km, (b, h, chunk)),
-                          lse=jnp.zeros((b, chunk, 1)))
-        layers.append(policy.write(layer, k, v, pos, valid, stats, cache.policy_state,
-                                   layer_index=i))
-    return Cache(layers=tuple(layers), length=cache.length + chunk,
-                 policy_state=cache.policy_state)
+        stats = AttnStats(
+            slot_mass=jax.random.uniform(km, layer.pos.shape),
+            new_mass=jax.random.uniform(km, (b, h, chunk)),
+            lse=jnp.zeros((b, chunk, 1)),
+        )
+        layers.append(
+            policy.write(layer, k, v, pos, valid, stats, cache.policy_state, layer_index=i)
+        )
+    return Cache(layers=tuple(layers), length=cache.length + chunk, policy_state=cache.policy_state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _decode(config: ModelConfig, policy: Policy, steps: int, impl: str, params: Params,
-            cache: Cache, tok: jax.Array):
+def _decode(
+    config: ModelConfig,
+    policy: Policy,
+    steps: int,
+    impl: str,
+    params: Params,
+    cache: Cache,
+    tok: jax.Array,
+):
     def body(_, carry):
         cache, tok = carry
-        logits, cache = model_step(config, policy, params, cache, tok[:, None],
-                                   jnp.ones((tok.shape[0], 1), bool), implementation=impl)
+        logits, cache = model_step(
+            config,
+            policy,
+            params,
+            cache,
+            tok[:, None],
+            jnp.ones((tok.shape[0], 1), bool),
+            implementation=impl,
+        )
         return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
 
     return jax.lax.fori_loop(0, steps, body, (cache, tok))
@@ -90,10 +106,20 @@ def copy_bandwidth(n_bytes: int) -> float:
     return 2 * x.nbytes / np.median(times) / 1e9
 
 
-def bench_decode(config: ModelConfig, params: Params, policy: Policy, *, context: int,
-                 batch: int, steps: int, budget: int | None = None, cache_dtype=None,
-                 implementation: str = "xla", fill_chunk: int = 512,
-                 copy_bytes: int = 1 << 28) -> DecodeBench:
+def bench_decode(
+    config: ModelConfig,
+    params: Params,
+    policy: Policy,
+    *,
+    context: int,
+    batch: int,
+    steps: int,
+    budget: int | None = None,
+    cache_dtype=None,
+    implementation: str = "xla",
+    fill_chunk: int = 512,
+    copy_bytes: int = 1 << 28,
+) -> DecodeBench:
     """Time `steps` decode steps after filling the cache to `context` tokens."""
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
@@ -115,9 +141,20 @@ def bench_decode(config: ModelConfig, params: Params, policy: Policy, *, context
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     bw = copy_bandwidth(copy_bytes)
     return DecodeBench(
-        model=config.name, policy=policy.name, budget=budget, batch=batch, context=context,
-        steps=steps, dtype=str(np.dtype(dtype)), device=jax.devices()[0].device_kind,
-        ms_per_step=sec * 1e3, tokens_per_s=batch / sec, weight_bytes=int(w_bytes),
-        live_kv_bytes=kv_live, physical_kv_bytes=kv_phys,
-        floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3, copy_gbps=bw,
-        achieved_gbps=(w_bytes + kv_live) / sec / 1e9)
+        model=config.name,
+        policy=policy.name,
+        budget=budget,
+        batch=batch,
+        context=context,
+        steps=steps,
+        dtype=str(np.dtype(dtype)),
+        device=jax.devices()[0].device_kind,
+        ms_per_step=sec * 1e3,
+        tokens_per_s=batch / sec,
+        weight_bytes=int(w_bytes),
+        live_kv_bytes=kv_live,
+        physical_kv_bytes=kv_phys,
+        floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3,
+        copy_gbps=bw,
+        achieved_gbps=(w_bytes + kv_live) / sec / 1e9,
+    )

@@ -24,23 +24,35 @@ def peak_live_bytes(spec: CacheSpec, unit_bytes: tuple[int, int, int]) -> int:
     fp, q, page = unit_bytes
     q_caps = spec.int8_capacities or (0,) * spec.num_layers
     pages = spec.lowbit_pages or (0,) * spec.num_layers
-    per_head = sum(c * fp + cq * q + p * page
-                   for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True))
+    per_head = sum(
+        c * fp + cq * q + p * page for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True)
+    )
     return spec.batch * spec.num_kv_heads * per_head
 
 
 def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsize: int) -> int:
-    spec = policy.cache_spec(batch=1, num_layers=config.num_layers,
-                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                             max_len=max_len, dtype=np.float32)
+    spec = policy.cache_spec(
+        batch=1,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=np.float32,
+    )
     d, g = config.head_dim, spec.lowbit_page_size
     ng = d // min(spec.lowbit_value_group, d)
     page = 2 * g * d * spec.lowbit_bits // 8 + 2 * d * 4 + 2 * g * ng * 4
     return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page))
 
 
-def matched_budget(make: Callable[[int], Policy], config: ModelConfig, target: int,
-                   itemsize: int, *, max_tokens: int) -> int:
+def matched_budget(
+    make: Callable[[int], Policy],
+    config: ModelConfig,
+    target: int,
+    itemsize: int,
+    *,
+    max_tokens: int,
+) -> int:
     """Largest budget whose peak live bytes fit in `target`. Budgets below a policy's minimum
     (it raises ValueError) are skipped; bytes grow with the budget, so bisection finds the edge."""
 
@@ -64,8 +76,10 @@ def matched_budget(make: Callable[[int], Policy], config: ModelConfig, target: i
     smallest = 1 if valid(1) else bisect(lambda b: not valid(b), 1, cap) + 1
     bytes_of = lambda b: policy_peak_bytes(make(b), config, max_tokens, itemsize)
     if bytes_of(smallest) > target:
-        raise ValueError(f"even the smallest budget ({smallest}) of this policy needs "
-                         f"{bytes_of(smallest)} bytes > {target}")
+        raise ValueError(
+            f"even the smallest budget ({smallest}) of this policy needs "
+            f"{bytes_of(smallest)} bytes > {target}"
+        )
     return bisect(lambda b: bytes_of(b) <= target, smallest, cap)
 
 
@@ -98,9 +112,16 @@ class CompareRow:
     seconds: float
 
 
-def run_compare(model: LoadedModel, labels: Sequence[str], *, windows: Sequence[int],
-                n_tokens: int, text: str = "avg.txt", cache_dtype: str = "bfloat16",
-                progress: bool = True) -> list[CompareRow]:
+def run_compare(
+    model: LoadedModel,
+    labels: Sequence[str],
+    *,
+    windows: Sequence[int],
+    n_tokens: int,
+    text: str = "avg.txt",
+    cache_dtype: str = "bfloat16",
+    progress: bool = True,
+) -> list[CompareRow]:
     """Perplexity of each policy at the peak live bytes of each window size."""
     from kvjax.eval._ppl import run_ppl
 
@@ -118,21 +139,37 @@ def run_compare(model: LoadedModel, labels: Sequence[str], *, windows: Sequence[
             if name in BUDGETLESS:  # no eviction: memory is whatever the method needs
                 policy, budget = make_policy(name), None
             else:
-                make = lambda b, name=name, kw=kw: make_policy(name, b, num_layers=cfg.num_layers,
-                                                               **kw)
+                make = lambda b, name=name, kw=kw: make_policy(
+                    name, b, num_layers=cfg.num_layers, **kw
+                )
                 budget = matched_budget(make, cfg, target, itemsize, max_tokens=n_tokens)
                 policy = make(budget)
             if name in BUDGETLESS and name in done:  # independent of the window size
                 res = done[name]
             else:
-                res = run_ppl(model, policy, n_tokens=n_tokens, text=text, budget=budget,
-                              cache_dtype=cache_dtype, progress=progress)
+                res = run_ppl(
+                    model,
+                    policy,
+                    n_tokens=n_tokens,
+                    text=text,
+                    budget=budget,
+                    cache_dtype=cache_dtype,
+                    progress=progress,
+                )
                 done[name] = res
-            rows.append(CompareRow(
-                label=label, window=w, budget=budget, target_bytes=target,
-                peak_live_bytes=policy_peak_bytes(policy, cfg, n_tokens, itemsize),
-                ppl=res.ppl, live_bytes_mean=res.live_bytes_mean,
-                live_bytes_peak=res.live_bytes_peak, seconds=res.seconds))
+            rows.append(
+                CompareRow(
+                    label=label,
+                    window=w,
+                    budget=budget,
+                    target_bytes=target,
+                    peak_live_bytes=policy_peak_bytes(policy, cfg, n_tokens, itemsize),
+                    ppl=res.ppl,
+                    live_bytes_mean=res.live_bytes_mean,
+                    live_bytes_peak=res.live_bytes_peak,
+                    seconds=res.seconds,
+                )
+            )
     return rows
 
 
@@ -149,8 +186,13 @@ def plot_pareto(rows: Sequence[CompareRow], path: str, *, title: str) -> None:
     markers = dict(zip(labels, "o^svDP*Xhp<>", strict=False))
     for label in labels:
         pts = [r for r in rows if r.label == label]
-        ax.plot([r.live_bytes_mean / 2**20 for r in pts], [r.ppl for r in pts],
-                marker=markers[label], ls="-" if len(pts) > 1 else "", label=label)
+        ax.plot(
+            [r.live_bytes_mean / 2**20 for r in pts],
+            [r.ppl for r in pts],
+            marker=markers[label],
+            ls="-" if len(pts) > 1 else "",
+            label=label,
+        )
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())

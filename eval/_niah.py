@@ -75,12 +75,21 @@ class NiahResult:
     cells: list[NiahCell]
 
 
-def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
-             depths: Sequence[float], protocol: NiahProtocol | str, label: str | None = None,
-             budget: int | None = None,
-             max_new_tokens: int = 32, template: NiahTemplate = DEFAULT_TEMPLATE,
-             chunk_size: int = 256, haystack: str | None = None,
-             on_cell: Callable[[NiahCell], None] | None = None) -> NiahResult:
+def run_niah(
+    model: LoadedModel,
+    policy: Policy,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    protocol: NiahProtocol | str,
+    label: str | None = None,
+    budget: int | None = None,
+    max_new_tokens: int = 32,
+    template: NiahTemplate = DEFAULT_TEMPLATE,
+    chunk_size: int = 256,
+    haystack: str | None = None,
+    on_cell: Callable[[NiahCell], None] | None = None,
+) -> NiahResult:
     """Greedy answers over a grid of context lengths × needle depths, one protocol.
 
     Args:
@@ -101,53 +110,84 @@ def run_niah(model: LoadedModel, policy: Policy, *, lengths: Sequence[int],
         ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack.
     """
     if protocol not in tuple(NiahProtocol):
-        raise ValueError(f"unknown protocol {protocol!r}; choose one of "
-                         f"{[p.value for p in NiahProtocol]}")
+        raise ValueError(
+            f"unknown protocol {protocol!r}; choose one of {[p.value for p in NiahProtocol]}"
+        )
     protocol = NiahProtocol(protocol)
     check_niah_grid(lengths, depths)
     tok, config = model.tokenizer, model.config
     if tok is None:
         raise ValueError(f"model {model.source} has no tokenizer; NIAH needs one")
     hay = tok.encode(haystack_text() if haystack is None else haystack)
-    grid = {n: [build_niah_prompt(tok, hay, length=n, depth=d, template=template) for d in depths]
-            for n in lengths}  # every bad length fails before any compute
+    grid = {
+        n: [build_niah_prompt(tok, hay, length=n, depth=d, template=template) for d in depths]
+        for n in lengths
+    }  # every bad length fails before any compute
     for n, prompts in grid.items():
         extra = len(prompts[0].context) + len(prompts[0].question) - (n - BUFFER)
         if extra + max_new_tokens > BUFFER:
-            raise ValueError(f"template ({extra} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceed the {BUFFER}-token buffer")
+            raise ValueError(
+                f"template ({extra} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"exceed the {BUFFER}-token buffer"
+            )
         if config.max_positions and n > config.max_positions:
-            raise ValueError(f"context length {n} exceeds the model's {config.max_positions} "
-                             f"learned positions")
+            raise ValueError(
+                f"context length {n} exceeds the model's {config.max_positions} learned positions"
+            )
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-    gen = GenerateConfig(max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids,
-                         chunk_size=chunk_size)
+    gen = GenerateConfig(
+        max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
+    )
     cells = []
     for n, prompts in grid.items():
-        spec = policy.cache_spec(batch=1, num_layers=config.num_layers,
-                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                                 max_len=n, dtype=dtype)
+        spec = policy.cache_spec(
+            batch=1,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_len=n,
+            dtype=dtype,
+        )
         bucket = -(-n // chunk_size) * chunk_size
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
             ids, cache = _answer(model, policy, gen, spec, p, protocol, bucket)
             answer = tok.decode(ids, skip_special=True)
             score, soft = score_niah_answer(answer)
-            cells.append(NiahCell(
-                length=n, depth=float(depth), needle_depth=p.needle_depth, score=score,
-                soft_score=soft, answer=answer, answer_tokens=ids,
-                prompt_tokens=len(p.context) + len(p.question),
-                live_kv_bytes=int(live_bytes(cache)[0]), seconds=time.perf_counter() - t0))
+            cells.append(
+                NiahCell(
+                    length=n,
+                    depth=float(depth),
+                    needle_depth=p.needle_depth,
+                    score=score,
+                    soft_score=soft,
+                    answer=answer,
+                    answer_tokens=ids,
+                    prompt_tokens=len(p.context) + len(p.question),
+                    live_kv_bytes=int(live_bytes(cache)[0]),
+                    seconds=time.perf_counter() - t0,
+                )
+            )
             if on_cell is not None:
                 on_cell(cells[-1])
     by_len = {str(n): float(np.mean([c.score for c in cells if c.length == n])) for n in grid}
     return NiahResult(
-        model=config.name, policy=label or policy.name, budget=budget, protocol=protocol.value,
-        lengths=list(grid), depths=[float(d) for d in depths],
-        mean_score=float(np.mean([c.score for c in cells])), mean_score_by_length=by_len,
-        needle=NEEDLE, question=QUESTION, scoring=SCORING_RULE,
-        template=dataclasses.asdict(template), buffer=BUFFER, max_new_tokens=max_new_tokens,
-        cells=cells)
+        model=config.name,
+        policy=label or policy.name,
+        budget=budget,
+        protocol=protocol.value,
+        lengths=list(grid),
+        depths=[float(d) for d in depths],
+        mean_score=float(np.mean([c.score for c in cells])),
+        mean_score_by_length=by_len,
+        needle=NEEDLE,
+        question=QUESTION,
+        scoring=SCORING_RULE,
+        template=dataclasses.asdict(template),
+        buffer=BUFFER,
+        max_new_tokens=max_new_tokens,
+        cells=cells,
+    )
 
 
 def _padded(ids: list[int], size: int) -> tuple[Array, Array]:
@@ -156,17 +196,39 @@ def _padded(ids: list[int], size: int) -> tuple[Array, Array]:
     return jnp.asarray(out), jnp.asarray([len(ids)], jnp.int32)
 
 
-def _answer(model: LoadedModel, policy: Policy, gen: GenerateConfig, spec: CacheSpec,
-            p: NiahPrompt, protocol: NiahProtocol, bucket: int) -> tuple[list[int], Cache]:
+def _answer(
+    model: LoadedModel,
+    policy: Policy,
+    gen: GenerateConfig,
+    spec: CacheSpec,
+    p: NiahPrompt,
+    protocol: NiahProtocol,
+    bucket: int,
+) -> tuple[list[int], Cache]:
     cache = init_cache(spec, policy.init_state(1))
     key = jax.random.key(0)
     if protocol is NiahProtocol.QUERY_AWARE:
-        res, cache = generate_from_cache(model.config, policy, gen, model.params, cache,
-                                         *_padded(p.context + p.question, bucket), key)
+        res, cache = generate_from_cache(
+            model.config,
+            policy,
+            gen,
+            model.params,
+            cache,
+            *_padded(p.context + p.question, bucket),
+            key,
+        )
     else:
-        cache, _ = prefill_cache(model.config, policy, gen, model.params, cache,
-                                 *_padded(p.context, bucket))
+        cache, _ = prefill_cache(
+            model.config, policy, gen, model.params, cache, *_padded(p.context, bucket)
+        )
         tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
-        res, cache = generate_from_cache(model.config, policy, tail, model.params, cache,
-                                         *_padded(p.question, tail.chunk_size), key)
+        res, cache = generate_from_cache(
+            model.config,
+            policy,
+            tail,
+            model.params,
+            cache,
+            *_padded(p.question, tail.chunk_size),
+            key,
+        )
     return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache

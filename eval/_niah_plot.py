@@ -35,8 +35,12 @@ def plot_niah_heatmap(result: NiahResult, path: str | pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     grid = niah_score_grid(result)
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 1.1 * len(result.lengths)),
-                                    max(3.0, 1.8 + 0.5 * len(result.depths))))
+    fig, ax = plt.subplots(
+        figsize=(
+            max(4.5, 1.5 + 1.1 * len(result.lengths)),
+            max(3.0, 1.8 + 0.5 * len(result.depths)),
+        )
+    )
     ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, j in np.ndindex(grid.shape):
         if not np.isnan(grid[i, j]):
@@ -46,8 +50,11 @@ def plot_niah_heatmap(result: NiahResult, path: str | pathlib.Path) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     budget = "" if result.budget is None else f" budget={result.budget}"
-    ax.set_title(f"NIAH: {result.policy}{budget}, {result.protocol}\n{result.model}, "
-                 f"mean score {result.mean_score:.2f}", fontsize=9)
+    ax.set_title(
+        f"NIAH: {result.policy}{budget}, {result.protocol}\n{result.model}, "
+        f"mean score {result.mean_score:.2f}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -72,7 +79,14 @@ def read_niah_result(path: str | pathlib.Path) -> NiahResult:
 
 def niah_summary_rows(results: Sequence[NiahResult]) -> list[dict[str, Any]]:
     """One row per (policy, protocol): mean score per context length and overall."""
-    return [{"policy": r.policy, "budget": r.budget, "protocol": r.protocol,
-             **{f"L={n}": r.mean_score_by_length[str(n)] for n in r.lengths},
-             "mean": r.mean_score,
-             "soft": float(np.mean([c.soft_score for c in r.cells]))} for r in results]
+    return [
+        {
+            "policy": r.policy,
+            "budget": r.budget,
+            "protocol": r.protocol,
+            **{f"L={n}": r.mean_score_by_length[str(n)] for n in r.lengths},
+            "mean": r.mean_score,
+            "soft": float(np.mean([c.soft_score for c in r.cells])),
+        }
+        for r in results
+    ]

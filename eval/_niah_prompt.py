@@ -17,8 +17,10 @@ from collections.abc import Callable, Sequence
 
 from kvjax.weights import Tokenizer, essay_names, essay_text
 
-NEEDLE = ("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a "
-          "sunny day.")
+NEEDLE = (
+    "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a "
+    "sunny day."
+)
 QUESTION = "What is the best thing to do in San Francisco?"
 KEY_PHRASES = ("sandwich", "dolores park")
 # The needle's content words that the question does not already contain (so echoing the question
@@ -27,7 +29,8 @@ SOFT_WORDS = ("eat", "sandwich", "sit", "dolores", "park", "sunny", "day")
 SCORING_RULE = (
     "score = 1 if the answer (lower-cased, whitespace runs collapsed to one space) contains both "
     "'sandwich' and 'dolores park' as substrings, else 0; soft_score = fraction of the words "
-    f"{list(SOFT_WORDS)} present among the answer's lower-cased [a-z]+ words")
+    f"{list(SOFT_WORDS)} present among the answer's lower-cased [a-z]+ words"
+)
 BUFFER = 200
 _SLOT = "@@NIAH_CONTEXT@@"
 
@@ -56,8 +59,10 @@ class NiahTemplate:
     def __post_init__(self) -> None:
         c, q = self.user.find("{context}"), self.user.find("{question}")
         if c < 0 or q < c:
-            raise ValueError(f"NiahTemplate.user must contain '{{context}}' before "
-                             f"'{{question}}', got {self.user!r}")
+            raise ValueError(
+                f"NiahTemplate.user must contain '{{context}}' before "
+                f"'{{question}}', got {self.user!r}"
+            )
 
 
 DEFAULT_TEMPLATE = NiahTemplate()
@@ -103,15 +108,21 @@ def check_niah_grid(lengths: Sequence[int], depths: Sequence[float]) -> None:
         raise ValueError(f"repeated context length or depth in {list(lengths)} × {list(depths)}")
     for n in lengths:
         if n <= BUFFER:
-            raise ValueError(f"context length {n} is too small: it must exceed the "
-                             f"{BUFFER}-token buffer kept for the template, question and answer")
+            raise ValueError(
+                f"context length {n} is too small: it must exceed the "
+                f"{BUFFER}-token buffer kept for the template, question and answer"
+            )
     for d in depths:
         if not 0 <= d <= 100:
             raise ValueError(f"depth {d} is outside [0, 100] (percent of the haystack)")
 
 
-def insert_needle(haystack: Sequence[int], needle: Sequence[int], depth: float,
-                  is_sentence_end: Callable[[int], bool]) -> tuple[list[int], int]:
+def insert_needle(
+    haystack: Sequence[int],
+    needle: Sequence[int],
+    depth: float,
+    is_sentence_end: Callable[[int], bool],
+) -> tuple[list[int], int]:
     """Splice `needle` into `haystack` at the last sentence end at or before ⌊n·depth/100⌋.
 
     Returns the new token list and the needle's start index (0 if no sentence end precedes).
@@ -124,11 +135,17 @@ def insert_needle(haystack: Sequence[int], needle: Sequence[int], depth: float,
     return [*haystack[:at], *needle, *haystack[at:]], at
 
 
-def build_niah_prompt(tokenizer: Tokenizer, haystack: Sequence[int], *, length: int, depth: float,
-                 template: NiahTemplate = DEFAULT_TEMPLATE, buffer: int = BUFFER) -> NiahPrompt:
+def build_niah_prompt(
+    tokenizer: Tokenizer,
+    haystack: Sequence[int],
+    *,
+    length: int,
+    depth: float,
+    template: NiahTemplate = DEFAULT_TEMPLATE,
+    buffer: int = BUFFER,
+) -> NiahPrompt:
     """The prompt of one cell: `length − buffer` haystack+needle tokens plus the chat parts."""
-    messages = [{"role": "user", "content": template.user.format(context=_SLOT,
-                                                                  question=QUESTION)}]
+    messages = [{"role": "user", "content": template.user.format(context=_SLOT, question=QUESTION)}]
     if template.system is not None:
         messages.insert(0, {"role": "system", "content": template.system})
     head, tail = tokenizer.apply_chat_template(messages).split(_SLOT)
@@ -136,13 +153,21 @@ def build_niah_prompt(tokenizer: Tokenizer, haystack: Sequence[int], *, length: 
     needle = tokenizer.encode(" " + NEEDLE)
     n = length - buffer - len(needle)
     if n < 1:
-        raise ValueError(f"context length {length} leaves no room for the haystack: it must be "
-                         f"> {buffer + len(needle)} (buffer {buffer} + needle {len(needle)})")
+        raise ValueError(
+            f"context length {length} leaves no room for the haystack: it must be "
+            f"> {buffer + len(needle)} (buffer {buffer} + needle {len(needle)})"
+        )
     if n > len(haystack):
-        raise ValueError(f"context length {length} needs {n} haystack tokens; the haystack has "
-                         f"only {len(haystack)}")
+        raise ValueError(
+            f"context length {length} needs {n} haystack tokens; the haystack has "
+            f"only {len(haystack)}"
+        )
     cut = list(haystack[:n])
     ends = {i for i in set(cut) if tokenizer.decode([i]).rstrip().endswith(".")}
     body, at = insert_needle(cut, needle, depth, ends.__contains__)
-    return NiahPrompt(context=[*head_ids, *body], question=tail_ids,
-                      needle_start=len(head_ids) + at, needle_depth=100.0 * at / n)
+    return NiahPrompt(
+        context=[*head_ids, *body],
+        question=tail_ids,
+        needle_start=len(head_ids) + at,
+        needle_depth=100.0 * at / n,
+    )

@@ -41,21 +41,46 @@ def essay_tokens(model: LoadedModel, n_tokens: int, name: str = "avg.txt") -> np
     return np.asarray(ids[:n_tokens], np.int32)
 
 
-def run_ppl(model: LoadedModel, policy: Policy, *, n_tokens: int, text: str = "avg.txt",
-            chunk: int = 1, segment: int = 256, budget: int | None = None,
-            cache_dtype=None, progress: bool = True) -> PplResult:
+def run_ppl(
+    model: LoadedModel,
+    policy: Policy,
+    *,
+    n_tokens: int,
+    text: str = "avg.txt",
+    chunk: int = 1,
+    segment: int = 256,
+    budget: int | None = None,
+    cache_dtype=None,
+    progress: bool = True,
+) -> PplResult:
     """Teacher-forced perplexity over tokens 1..N-1 of an essay through `policy`'s cache."""
     if n_tokens < 2:
         raise ValueError(f"--tokens must be >= 2, got {n_tokens}")
     tokens = essay_tokens(model, n_tokens, text)
     t0 = time.perf_counter()
-    out = score_tokens(model.config, model.params, tokens, policy=policy, chunk=chunk,
-                       segment=segment, cache_dtype=cache_dtype, progress=progress)
+    out = score_tokens(
+        model.config,
+        model.params,
+        tokens,
+        policy=policy,
+        chunk=chunk,
+        segment=segment,
+        cache_dtype=cache_dtype,
+        progress=progress,
+    )
     nll = np.asarray(out.nll, np.float64)[0]
     seconds = time.perf_counter() - t0
     live = slots_to_bytes(np.asarray(out.live_slots)[:, 0], slot_bytes_per_layer(out.cache))
-    return PplResult(policy=policy.name, budget=budget, text=text, tokens=n_tokens,
-                     ppl=math.exp(nll.mean()), mean_nll=float(nll.mean()),
-                     live_bytes_mean=float(live.mean()), live_bytes_peak=int(live.max()),
-                     physical_bytes=physical_bytes(out.cache), seconds=seconds,
-                     tokens_per_s=(n_tokens - 1) / seconds)
+    return PplResult(
+        policy=policy.name,
+        budget=budget,
+        text=text,
+        tokens=n_tokens,
+        ppl=math.exp(nll.mean()),
+        mean_nll=float(nll.mean()),
+        live_bytes_mean=float(live.mean()),
+        live_bytes_peak=int(live.max()),
+        physical_bytes=physical_bytes(out.cache),
+        seconds=seconds,
+        tokens_per_s=(n_tokens - 1) / seconds,
+    )

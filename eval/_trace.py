@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def plot_trace(telemetry, path: str, *, title: str, tau: float | None = None,
-               row: int = 0) -> None:
+def plot_trace(telemetry, path: str, *, title: str, tau: float | None = None, row: int = 0) -> None:
     """Write a PNG: live KV bytes per tier (top) and confidence + chosen budget (bottom).
 
     Args:
@@ -29,8 +28,14 @@ def plot_trace(telemetry, path: str, *, title: str, tau: float | None = None,
     budget = np.asarray(telemetry.budget)[:n, row]
     steps = np.arange(n)
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    ax0.stackplot(steps, per_tier[:, 0], per_tier[:, 1], per_tier[:, 2],
-                  labels=["full precision", "INT8", "low-bit"], alpha=0.8)
+    ax0.stackplot(
+        steps,
+        per_tier[:, 0],
+        per_tier[:, 1],
+        per_tier[:, 2],
+        labels=["full precision", "INT8", "low-bit"],
+        alpha=0.8,
+    )
     ax0.set_ylabel("live KV (MiB)")
     ax0.legend(loc="upper left")
     ax0.set_title(title)

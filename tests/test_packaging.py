@@ -12,17 +12,37 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_every_package_folder_is_listed():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(cfg["packages"])
-    found = {".".join(("kvjax", *p.parent.relative_to(ROOT / "kvjax").parts))
-             for p in (ROOT / "kvjax").rglob("__init__.py")}
+    found = {
+        ".".join(("kvjax", *p.parent.relative_to(ROOT / "kvjax").parts))
+        for p in (ROOT / "kvjax").rglob("__init__.py")
+    }
     mapped = {"kvjax.eval", "kvjax.train", "kvjax.pallas_kernels"}
     assert found | mapped == listed
-    assert cfg["package-dir"] == {"kvjax": "kvjax", "kvjax.train": "train",
-                                  "kvjax.eval": "eval", "kvjax.pallas_kernels": "pallas_kernels"}
+    assert cfg["package-dir"] == {
+        "kvjax": "kvjax",
+        "kvjax.train": "train",
+        "kvjax.eval": "eval",
+        "kvjax.pallas_kernels": "pallas_kernels",
+    }
 
 
 def test_wheel_has_no_top_level_train_or_eval(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("kvjax-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
@@ -30,10 +50,25 @@ def test_wheel_has_no_top_level_train_or_eval(tmp_path):
     assert "kvjax/eval/__init__.py" in names and "kvjax/train/__init__.py" in names
     # Installed into a fresh folder, the namespace imports with the current dependencies.
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                    str(target), str(wheel)], check=True, capture_output=True)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kvjax.eval, kvjax.train, "
-            "kvjax.cli; import importlib.util as u; "
-            "assert kvjax.eval.__file__.startswith(sys.argv[1]); "
-            "assert u.find_spec('train') is None and u.find_spec('eval') is None")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import kvjax.eval, kvjax.train, "
+        "kvjax.cli; import importlib.util as u; "
+        "assert kvjax.eval.__file__.startswith(sys.argv[1]); "
+        "assert u.find_spec('train') is None and u.find_spec('eval') is None"
+    )
     subprocess.run([sys.executable, "-c", code, str(target)], check=True, cwd=tmp_path)

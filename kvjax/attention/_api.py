@@ -16,9 +16,18 @@ Implementation = Literal["xla"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla",)
 
 
-def attend(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array,
-           new_valid: Array, *, query_weight: Array | None = None, scale: float | None = None,
-           implementation: Implementation = "xla") -> tuple[Array, AttnStats]:
+def attend(
+    q: Array,
+    layer: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    q_pos: Array,
+    new_valid: Array,
+    *,
+    query_weight: Array | None = None,
+    scale: float | None = None,
+    implementation: Implementation = "xla",
+) -> tuple[Array, AttnStats]:
     """Attention of this call's queries over the layer's cache and this call's own tokens.
 
     Args:
@@ -50,5 +59,6 @@ def attend(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array
         scale = d**-0.5
     if implementation == "xla":
         return attend_xla(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
-    raise ValueError(f"unknown attention implementation {implementation!r}; "
-                     f"choose one of {IMPLEMENTATIONS}")
+    raise ValueError(
+        f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
+    )

@@ -19,8 +19,17 @@ Array = jax.Array
 _NEG = -1e30
 
 
-def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: Array,
-               new_valid: Array, query_weight: Array, *, scale: float) -> tuple[Array, AttnStats]:
+def attend_xla(
+    q: Array,
+    layer: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    q_pos: Array,
+    new_valid: Array,
+    query_weight: Array,
+    *,
+    scale: float,
+) -> tuple[Array, AttnStats]:
     """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ low-bit ‖ new tokens].
 
     Args:
@@ -44,8 +53,13 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     cache_segs = [(layer.k, layer.v, layer.pos)]
     if layer.int8 is not None:
         t8 = layer.int8
-        cache_segs.append((dequantize_int8(t8.k, t8.k_scale, q.dtype),
-                           dequantize_int8(t8.v, t8.v_scale, q.dtype), t8.pos))
+        cache_segs.append(
+            (
+                dequantize_int8(t8.k, t8.k_scale, q.dtype),
+                dequantize_int8(t8.v, t8.v_scale, q.dtype),
+                t8.pos,
+            )
+        )
     if layer.lowbit is not None:
         lb = layer.lowbit
         b_, h_, p_, g_ = lb.pos.shape
@@ -59,8 +73,9 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
         p = pos[:, :, None, None, :]
         masks.append((p >= 0) & (p <= qpos))  # occupied and not after the query
     scores.append(einsum_f32("bthgd,bshd->bhgts", qg, k_new) * scale)
-    masks.append(new_valid[:, None, None, None, :]
-                 & (q_pos[:, None, None, None, :] <= qpos))  # causal within the call
+    masks.append(
+        new_valid[:, None, None, None, :] & (q_pos[:, None, None, None, :] <= qpos)
+    )  # causal within the call
     scores = [jnp.where(m, s, _NEG) for s, m in zip(scores, masks, strict=True)]
     m = scores[0].max(axis=-1)
     for s in scores[1:]:
@@ -68,17 +83,21 @@ def attend_xla(q: Array, layer: LayerCache, k_new: Array, v_new: Array, q_pos: A
     probs = [jnp.exp(s - m[..., None]) for s in scores]
     denom = sum(p.sum(axis=-1) for p in probs)
     probs = [p / denom[..., None] for p in probs]
-    out = sum(einsum_f32("bhgtc,bhcd->bthgd", p.astype(v.dtype), v)
-              for p, (_, v, _) in zip(probs[:-1], cache_segs, strict=True))
+    out = sum(
+        einsum_f32("bhgtc,bhcd->bthgd", p.astype(v.dtype), v)
+        for p, (_, v, _) in zip(probs[:-1], cache_segs, strict=True)
+    )
     out = out + einsum_f32("bhgts,bshd->bthgd", probs[-1].astype(v_new.dtype), v_new)
     w = query_weight.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     mass = [jnp.sum(p * w, axis=(2, 3)) for p in probs]
     tiers = iter(mass[1:-1])
     int8_mass = next(tiers) if layer.int8 is not None else None
-    lowbit_mass = (next(tiers).reshape(layer.lowbit.pos.shape) if layer.lowbit is not None
-                   else None)
+    lowbit_mass = next(tiers).reshape(layer.lowbit.pos.shape) if layer.lowbit is not None else None
     stats = AttnStats(
-        slot_mass=mass[0], new_mass=mass[-1],
+        slot_mass=mass[0],
+        new_mass=mass[-1],
         lse=jnp.transpose(m + jnp.log(denom), (0, 3, 1, 2)).reshape(b, t, hq),
-        int8_mass=int8_mass, lowbit_mass=lowbit_mass)
+        int8_mass=int8_mass,
+        lowbit_mass=lowbit_mass,
+    )
     return out.reshape(b, t, hq, d).astype(q.dtype), stats

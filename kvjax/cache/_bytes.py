@@ -29,8 +29,11 @@ def layer_slot_bytes(layer: LayerCache) -> tuple[int, int, int]:
     Low-bit: one page of G tokens, codes + per-channel key and per-token value scales/zeros.
     """
     full = layer.k.shape[-1] * layer.k.dtype.itemsize + layer.v.shape[-1] * layer.v.dtype.itemsize
-    return (full, 0 if layer.int8 is None else layer.int8.slot_bytes(),
-            0 if layer.lowbit is None else layer.lowbit.page_bytes())
+    return (
+        full,
+        0 if layer.int8 is None else layer.int8.slot_bytes(),
+        0 if layer.lowbit is None else layer.lowbit.page_bytes(),
+    )
 
 
 def slot_bytes_per_layer(cache: Cache) -> np.ndarray:

@@ -10,8 +10,14 @@ from kvjax.cache._state import LayerCache
 Array = jax.Array
 
 
-def write_slots(layer: LayerCache, k_new: Array, v_new: Array, pos_new: Array, slots: Array,
-                score_new: Array | None = None) -> LayerCache:
+def write_slots(
+    layer: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    pos_new: Array,
+    slots: Array,
+    score_new: Array | None = None,
+) -> LayerCache:
     """Scatter this call's tokens into chosen slots, per KV head.
 
     Args:

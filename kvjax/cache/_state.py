@@ -50,16 +50,21 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
-            raise ValueError(f"CacheSpec dims must be > 0, got batch={self.batch}, "
-                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+            raise ValueError(
+                f"CacheSpec dims must be > 0, got batch={self.batch}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            )
         if not self.capacities or min(self.capacities) <= 0:
-            raise ValueError(f"CacheSpec.capacities must be non-empty and > 0, "
-                             f"got {self.capacities}")
+            raise ValueError(
+                f"CacheSpec.capacities must be non-empty and > 0, got {self.capacities}"
+            )
         if self.int8_capacities is not None and (
-                len(self.int8_capacities) != len(self.capacities)
-                or min(self.int8_capacities) <= 0):
-            raise ValueError(f"CacheSpec.int8_capacities must give one capacity > 0 per layer, "
-                             f"got {self.int8_capacities}")
+            len(self.int8_capacities) != len(self.capacities) or min(self.int8_capacities) <= 0
+        ):
+            raise ValueError(
+                f"CacheSpec.int8_capacities must give one capacity > 0 per layer, "
+                f"got {self.int8_capacities}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -204,37 +209,49 @@ def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
     q_caps = spec.int8_capacities or (None,) * spec.num_layers
     pages = spec.lowbit_pages or (None,) * spec.num_layers
     layers = tuple(
-        LayerCache(k=jnp.zeros((b, h, c, d), spec.dtype), v=jnp.zeros((b, h, c, d), spec.dtype),
-                   pos=jnp.full((b, h, c), EMPTY, jnp.int32),
-                   score=jnp.zeros((b, h, c), jnp.float32),
-                   int8=None if cq is None else _empty_int8(b, h, cq, d),
-                   lowbit=None if p is None else _empty_lowbit(spec, p))
-        for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True))
+        LayerCache(
+            k=jnp.zeros((b, h, c, d), spec.dtype),
+            v=jnp.zeros((b, h, c, d), spec.dtype),
+            pos=jnp.full((b, h, c), EMPTY, jnp.int32),
+            score=jnp.zeros((b, h, c), jnp.float32),
+            int8=None if cq is None else _empty_int8(b, h, cq, d),
+            lowbit=None if p is None else _empty_lowbit(spec, p),
+        )
+        for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True)
+    )
     return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
 
 
 def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
-    return Int8Tier(k=jnp.zeros((b, h, c, d), jnp.int8), v=jnp.zeros((b, h, c, d), jnp.int8),
-                    k_scale=jnp.zeros((b, h, c), jnp.float32),
-                    v_scale=jnp.zeros((b, h, c), jnp.float32),
-                    pos=jnp.full((b, h, c), EMPTY, jnp.int32),
-                    score=jnp.zeros((b, h, c), jnp.float32))
+    return Int8Tier(
+        k=jnp.zeros((b, h, c, d), jnp.int8),
+        v=jnp.zeros((b, h, c, d), jnp.int8),
+        k_scale=jnp.zeros((b, h, c), jnp.float32),
+        v_scale=jnp.zeros((b, h, c), jnp.float32),
+        pos=jnp.full((b, h, c), EMPTY, jnp.int32),
+        score=jnp.zeros((b, h, c), jnp.float32),
+    )
 
 
 def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier:
     b, h, d, g = spec.batch, spec.num_kv_heads, spec.head_dim, spec.lowbit_page_size
     dp = d * spec.lowbit_bits // 8
     if d % spec.lowbit_value_group or (d * spec.lowbit_bits) % 8:
-        raise ValueError(f"head_dim {d} must be a multiple of lowbit_value_group "
-                         f"({spec.lowbit_value_group}) and pack into bytes at "
-                         f"{spec.lowbit_bits} bits")
+        raise ValueError(
+            f"head_dim {d} must be a multiple of lowbit_value_group "
+            f"({spec.lowbit_value_group}) and pack into bytes at "
+            f"{spec.lowbit_bits} bits"
+        )
     ng = d // spec.lowbit_value_group
     f32 = jnp.float32
-    return LowBitTier(k=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
-                      v=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
-                      k_scale=jnp.zeros((b, h, pages, d), f32),
-                      k_zero=jnp.zeros((b, h, pages, d), f32),
-                      v_scale=jnp.zeros((b, h, pages, g, ng), f32),
-                      v_zero=jnp.zeros((b, h, pages, g, ng), f32),
-                      pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
-                      score=jnp.zeros((b, h, pages), f32), bits=spec.lowbit_bits)
+    return LowBitTier(
+        k=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
+        v=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
+        k_scale=jnp.zeros((b, h, pages, d), f32),
+        k_zero=jnp.zeros((b, h, pages, d), f32),
+        v_scale=jnp.zeros((b, h, pages, g, ng), f32),
+        v_zero=jnp.zeros((b, h, pages, g, ng), f32),
+        pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
+        score=jnp.zeros((b, h, pages), f32),
+        bits=spec.lowbit_bits,
+    )

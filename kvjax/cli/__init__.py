@@ -10,7 +10,8 @@ from kvjax.cli import _bench, _compare, _confkl, _demo, _generate, _niah, _ppl
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvjax", description="Bounded, compressed KV caches for jit-compiled decoding.")
+        prog="kvjax", description="Bounded, compressed KV caches for jit-compiled decoding."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in (_demo, _generate, _ppl, _compare, _bench, _niah, _confkl):
         mod.register(sub)

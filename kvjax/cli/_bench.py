@@ -17,8 +17,9 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True)
     d = bsub.add_parser("decode", help="steady-state decode speed at given context lengths")
     add_policy_args(d, multi=True)
-    d.add_argument("--preset", default="SmolLM2-135M",
-                   help=f"random-init model shapes: {', '.join(PRESETS)}")
+    d.add_argument(
+        "--preset", default="SmolLM2-135M", help=f"random-init model shapes: {', '.join(PRESETS)}"
+    )
     d.add_argument("--model", default=None, help="real weights instead of a preset")
     d.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     d.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
@@ -43,21 +44,32 @@ def run_decode(args: argparse.Namespace) -> int:
     else:
         by_lower = {k.lower(): v for k, v in PRESETS.items()}
         if args.preset.lower() not in by_lower:
-            raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of "
-                             f"{', '.join(PRESETS)}")
+            raise SystemExit(
+                f"error: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}"
+            )
         config = by_lower[args.preset.lower()]
         params = init_params(config, jax.random.key(0), dtype=dtype)
     rows = []
     for name in args.policy:
         policy = build_policy(name, args, config.num_layers)
         for ctx in args.contexts:
-            r = bench_decode(config, params, policy, context=ctx, batch=args.batch,
-                             steps=args.steps, budget=None if name in BUDGETLESS else args.budget,
-                             fill_chunk=min(args.fill_chunk, ctx),
-                             copy_bytes=args.copy_mib << 20)
+            r = bench_decode(
+                config,
+                params,
+                policy,
+                context=ctx,
+                batch=args.batch,
+                steps=args.steps,
+                budget=None if name in BUDGETLESS else args.budget,
+                fill_chunk=min(args.fill_chunk, ctx),
+                copy_bytes=args.copy_mib << 20,
+            )
             rows.append(dataclasses.asdict(r))
             if not args.json:
-                print(f"{name:>10} ctx={ctx:>6}: {r.ms_per_step:8.2f} ms/step "
-                      f"{r.tokens_per_s:9.1f} tok/s", flush=True)
+                print(
+                    f"{name:>10} ctx={ctx:>6}: {r.ms_per_step:8.2f} ms/step "
+                    f"{r.tokens_per_s:9.1f} tok/s",
+                    flush=True,
+                )
     emit(rows, as_json=args.json, title="decode benchmark", out=args.out)
     return 0

@@ -17,27 +17,50 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face safetensors folder (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="weights and cache dtype (default float32)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face safetensors folder (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="weights and cache dtype (default float32)",
+    )
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, multi: bool = False) -> None:
     if multi:
-        p.add_argument("--policy", nargs="+", default=["full", "window"],
-                       help=f"policies ({', '.join(sorted(POLICIES))})")
+        p.add_argument(
+            "--policy",
+            nargs="+",
+            default=["full", "window"],
+            help=f"policies ({', '.join(sorted(POLICIES))})",
+        )
     else:
         p.add_argument("--policy", default="full", help=f"one of {', '.join(sorted(POLICIES))}")
-    p.add_argument("--budget", type=int, default=None,
-                   help="tokens kept per KV head per layer (all policies but full)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="tokens kept per KV head per layer (all policies but full)",
+    )
     p.add_argument("--sinks", type=int, default=None, help="attention sinks (streaming)")
-    p.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="confkv: store retained tokens older than the fp window in INT8 "
-                        "(default on)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="any policy hyperparameter, e.g. --set tau=0.6 --set protected=16")
+    p.add_argument(
+        "--int8",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="confkv: store retained tokens older than the fp window in INT8 (default on)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any policy hyperparameter, e.g. --set tau=0.6 --set protected=16",
+    )
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,8 +83,12 @@ def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_policy(name: str, args: argparse.Namespace, num_layers: int | None = None) -> Policy:
     """The policy named on the command line, with its flags (validated: bad values raise)."""
-    return make_policy(name, None if name in BUDGETLESS else args.budget, num_layers=num_layers,
-                       **policy_kwargs(args))
+    return make_policy(
+        name,
+        None if name in BUDGETLESS else args.budget,
+        num_layers=num_layers,
+        **policy_kwargs(args),
+    )
 
 
 def load(args: argparse.Namespace):
@@ -70,8 +97,13 @@ def load(args: argparse.Namespace):
     return load_model(args.model, dtype=DTYPES[args.dtype])
 
 
-def emit(rows: list[dict[str, Any]] | dict[str, Any], *, as_json: bool, title: str,
-         out: str | None = None) -> None:
+def emit(
+    rows: list[dict[str, Any]] | dict[str, Any],
+    *,
+    as_json: bool,
+    title: str,
+    out: str | None = None,
+) -> None:
     """Print JSON (machine-readable) or a table; optionally also write JSON to a file."""
     if dataclasses.is_dataclass(rows):
         rows = dataclasses.asdict(rows)

@@ -16,8 +16,13 @@ def register(sub) -> None:
     p = sub.add_parser("compare", help="matched-memory perplexity of all policies")
     add_model_args(p)
     p.add_argument("--rows", nargs="+", default=list(ROWS), help=f"from {list(ROWS)}")
-    p.add_argument("--windows", type=int, nargs="+", default=[512],
-                   help="match the peak live bytes of these window sizes")
+    p.add_argument(
+        "--windows",
+        type=int,
+        nargs="+",
+        default=[512],
+        help="match the peak live bytes of these window sizes",
+    )
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--text", default="avg.txt")
     p.add_argument("--cache-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -33,14 +38,23 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {list(ROWS)}")
     model = load(args)
-    rows = run_compare(model, args.rows, windows=args.windows, n_tokens=args.tokens,
-                       text=args.text, cache_dtype=args.cache_dtype, progress=not args.json)
+    rows = run_compare(
+        model,
+        args.rows,
+        windows=args.windows,
+        n_tokens=args.tokens,
+        text=args.text,
+        cache_dtype=args.cache_dtype,
+        progress=not args.json,
+    )
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = [dataclasses.asdict(r) for r in rows]
     (out / "compare.json").write_text(json.dumps(data, indent=2) + "\n")
-    plot_pareto(rows, str(out / "pareto.png"),
-                title=f"{model.config.name}: {args.tokens} tokens of {args.text}, "
-                      f"{args.cache_dtype} cache")
+    plot_pareto(
+        rows,
+        str(out / "pareto.png"),
+        title=f"{model.config.name}: {args.tokens} tokens of {args.text}, {args.cache_dtype} cache",
+    )
     emit(data, as_json=args.json, title="matched-memory perplexity")
     return 0

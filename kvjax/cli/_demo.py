@@ -45,10 +45,14 @@ def run(args: argparse.Namespace) -> int:
         "chat": tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}])),
         "essay": essay_tokens(model, args.essay_tokens).tolist(),
     }
-    policies = [make_policy("full"), make_policy("window", args.budget),
-                make_policy("streaming", args.budget)]
-    gen = GenerateConfig(max_new_tokens=args.max_new_tokens, stop_tokens=tok.eos_ids,
-                         cache_dtype=args.dtype)
+    policies = [
+        make_policy("full"),
+        make_policy("window", args.budget),
+        make_policy("streaming", args.budget),
+    ]
+    gen = GenerateConfig(
+        max_new_tokens=args.max_new_tokens, stop_tokens=tok.eos_ids, cache_dtype=args.dtype
+    )
     rows = []
     for pname, ids in prompts.items():
         ref = None
@@ -59,13 +63,24 @@ def run(args: argparse.Namespace) -> int:
             new, seconds, live = generate_text(model, ids, policy, gen)
             ref = new if ref is None else ref
             agree, first = agreement(new, ref)
-            rows.append({"prompt": pname, "policy": policy.name,
-                         "budget": None if policy.name == "full" else args.budget,
-                         "prompt_tokens": len(ids), "new_tokens": len(new),
-                         "tokens_per_s": len(new) / seconds,
-                         "live_kv_KiB": round(live / 1024, 1),
-                         "agree_with_full": round(agree, 3), "first_diff": first,
-                         "text": tok.decode(new, skip_special=True).replace("\n", " ")[:70]})
-    emit(rows, as_json=args.json, title=f"kvjax demo — {model.config.name or model.source}",
-         out=args.out)
+            rows.append(
+                {
+                    "prompt": pname,
+                    "policy": policy.name,
+                    "budget": None if policy.name == "full" else args.budget,
+                    "prompt_tokens": len(ids),
+                    "new_tokens": len(new),
+                    "tokens_per_s": len(new) / seconds,
+                    "live_kv_KiB": round(live / 1024, 1),
+                    "agree_with_full": round(agree, 3),
+                    "first_diff": first,
+                    "text": tok.decode(new, skip_special=True).replace("\n", " ")[:70],
+                }
+            )
+    emit(
+        rows,
+        as_json=args.json,
+        title=f"kvjax demo — {model.config.name or model.source}",
+        out=args.out,
+    )
     return 0

@@ -23,13 +23,23 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--trace", default=None, metavar="PNG",
-                   help="plot live KV bytes per tier, confidence and budget per step")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="PNG",
+        help="plot live KV bytes per tier, confidence and budget per step",
+    )
     p.set_defaults(func=run)
 
 
-def generate_text(model, prompt_ids: list[int], policy, gen: GenerateConfig, seed: int = 0,
-                  trace: str | None = None):
+def generate_text(
+    model,
+    prompt_ids: list[int],
+    policy,
+    gen: GenerateConfig,
+    seed: int = 0,
+    trace: str | None = None,
+):
     """Generate once; returns (ids, seconds, live bytes at the end); optionally plots a trace."""
     t = time.perf_counter()
     out = generate(model.config, model.params, [prompt_ids], policy=policy, gen=gen, seed=seed)
@@ -39,8 +49,12 @@ def generate_text(model, prompt_ids: list[int], policy, gen: GenerateConfig, see
     if trace:
         from kvjax.eval import plot_trace
 
-        plot_trace(out.telemetry, trace, tau=getattr(policy, "tau", None),
-                   title=f"{policy.name} — {model.config.name or model.source}")
+        plot_trace(
+            out.telemetry,
+            trace,
+            tau=getattr(policy, "tau", None),
+            title=f"{policy.name} — {model.config.name or model.source}",
+        )
     return ids, seconds, int(out.telemetry.live_bytes()[max(n - 1, 0), 0])
 
 
@@ -51,21 +65,36 @@ def run(args: argparse.Namespace) -> int:
     tok = model.tokenizer
     if tok is None:
         raise SystemExit(f"error: model {model.source} has no tokenizer; cannot encode text")
-    text = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-            if args.chat else args.prompt)
+    text = (
+        tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else args.prompt
+    )
     ids = tok.encode(text)
-    gen = GenerateConfig(max_new_tokens=args.max_new_tokens,
-                         sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
-                         stop_tokens=tok.eos_ids, chunk_size=args.chunk_size,
-                         cache_dtype=args.dtype)
+    gen = GenerateConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
+        stop_tokens=tok.eos_ids,
+        chunk_size=args.chunk_size,
+        cache_dtype=args.dtype,
+    )
     new, seconds, live = generate_text(model, ids, policy, gen, args.seed, args.trace)
-    result = {"policy": policy.name, "budget": args.budget, "prompt_tokens": len(ids),
-              "new_tokens": len(new), "seconds": seconds, "live_kv_bytes": live,
-              "new_ids": new, "text": tok.decode(new, skip_special=True)}
+    result = {
+        "policy": policy.name,
+        "budget": args.budget,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(new),
+        "seconds": seconds,
+        "live_kv_bytes": live,
+        "new_ids": new,
+        "text": tok.decode(new, skip_special=True),
+    }
     if args.json:
         emit(result, as_json=True, title="generate")
     else:
         print(result["text"])
-        print(f"[{policy.name}] {len(ids)} prompt + {len(new)} new tokens in {seconds:.2f}s "
-              f"(incl. compilation); live KV {live / 2**20:.2f} MiB")
+        print(
+            f"[{policy.name}] {len(ids)} prompt + {len(new)} new tokens in {seconds:.2f}s "
+            f"(incl. compilation); live KV {live / 2**20:.2f} MiB"
+        )
     return 0

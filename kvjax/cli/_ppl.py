@@ -14,10 +14,15 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--tokens", type=int, default=2048, help="first N tokens of the essay")
     p.add_argument("--text", default="avg.txt", help="essay file name (Paul Graham essays)")
-    p.add_argument("--chunk", type=int, default=1,
-                   help="tokens per model call (1 = exact decode semantics)")
-    p.add_argument("--cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="full-precision cache tier dtype (default: --dtype)")
+    p.add_argument(
+        "--chunk", type=int, default=1, help="tokens per model call (1 = exact decode semantics)"
+    )
+    p.add_argument(
+        "--cache-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="full-precision cache tier dtype (default: --dtype)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.set_defaults(func=run)
@@ -29,7 +34,15 @@ def run(args: argparse.Namespace) -> int:
     build_policy(args.policy, args)  # bad flags fail before the model loads
     model = load(args)
     policy = build_policy(args.policy, args, model.config.num_layers)
-    res = run_ppl(model, policy, n_tokens=args.tokens, text=args.text, chunk=args.chunk,
-                  budget=args.budget, cache_dtype=args.cache_dtype, progress=not args.json)
+    res = run_ppl(
+        model,
+        policy,
+        n_tokens=args.tokens,
+        text=args.text,
+        chunk=args.chunk,
+        budget=args.budget,
+        cache_dtype=args.cache_dtype,
+        progress=not args.json,
+    )
     emit(dataclasses.asdict(res), as_json=args.json, title="perplexity", out=args.out)
     return 0

@@ -97,8 +97,15 @@ class GenerateConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
 
-def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-             policy: Policy, gen: GenerateConfig, seed: int = 0) -> GenerateOutput:
+def generate(
+    config: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    policy: Policy,
+    gen: GenerateConfig,
+    seed: int = 0,
+) -> GenerateOutput:
     """Generate continuations of a batch of prompts (different lengths allowed).
 
     Args:
@@ -114,31 +121,70 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     check_tokens(tokens, lengths, config.vocab_size)
     max_len = tokens.shape[1] + gen.max_new_tokens
     if config.max_positions and int(lengths.max()) + gen.max_new_tokens > config.max_positions:
-        raise ValueError(f"prompt + max_new_tokens = {int(lengths.max()) + gen.max_new_tokens} "
-                         f"exceeds the model's {config.max_positions} learned positions")
+        raise ValueError(
+            f"prompt + max_new_tokens = {int(lengths.max()) + gen.max_new_tokens} "
+            f"exceeds the model's {config.max_positions} learned positions"
+        )
     for s in gen.stop_tokens:
         if not 0 <= s < config.vocab_size:
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")
     dtype = gen.cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    spec = policy.cache_spec(batch=len(prompts), num_layers=config.num_layers,
-                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                             max_len=max_len, dtype=dtype)
-    return _generate(config, policy, gen, spec, params, jnp.asarray(tokens),
-                     jnp.asarray(lengths), jax.random.key(seed))
+    spec = policy.cache_spec(
+        batch=len(prompts),
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=dtype,
+    )
+    return _generate(
+        config,
+        policy,
+        gen,
+        spec,
+        params,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        jax.random.key(seed),
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _generate(config: ModelConfig, policy: Policy, gen: GenerateConfig, spec: CacheSpec,
-              params: Params, tokens: Array, lengths: Array, key: Array) -> GenerateOutput:
+def _generate(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    spec: CacheSpec,
+    params: Params,
+    tokens: Array,
+    lengths: Array,
+    key: Array,
+) -> GenerateOutput:
     cache = init_cache(spec, policy.init_state(tokens.shape[0]))
-    cache, logits = prefill(config, policy, params, cache, tokens, lengths,
-                            chunk_size=gen.chunk_size, implementation=gen.implementation)
+    cache, logits = prefill(
+        config,
+        policy,
+        params,
+        cache,
+        tokens,
+        lengths,
+        chunk_size=gen.chunk_size,
+        implementation=gen.implementation,
+    )
     return decode(config, policy, gen, params, cache, logits, key)[0]
 
 
-def prefill(config: ModelConfig, policy: Policy, params: Params, cache: Cache, tokens: Array,
-            lengths: Array, *, chunk_size: int,
-            implementation: Implementation = "xla") -> tuple[Cache, Array]:
+def prefill(
+    config: ModelConfig,
+    policy: Policy,
+    params: Params,
+    cache: Cache,
+    tokens: Array,
+    lengths: Array,
+    *,
+    chunk_size: int,
+    implementation: Implementation = "xla",
+) -> tuple[Cache, Array]:
     """Stream right-padded prompts into the cache through the policy, chunk by chunk.
 
     Pure and jittable (a `lax.while_loop` over chunks); continues from whatever the cache holds.
@@ -157,8 +203,9 @@ def prefill(config: ModelConfig, policy: Policy, params: Params, cache: Cache, t
         start = i * t
         chunk = jax.lax.dynamic_slice_in_dim(tokens, start, t, axis=1)
         valid = (start + jnp.arange(t))[None, :] < lengths[:, None]
-        logits, cache = model_step(config, policy, params, cache, chunk, valid,
-                                   implementation=implementation)
+        logits, cache = model_step(
+            config, policy, params, cache, chunk, valid, implementation=implementation
+        )
         idx = lengths - 1 - start
         here = (idx >= 0) & (idx < t)
         at = jnp.take_along_axis(logits, jnp.clip(idx, 0, t - 1)[:, None, None], axis=1)[:, 0]
@@ -166,24 +213,35 @@ def prefill(config: ModelConfig, policy: Policy, params: Params, cache: Cache, t
 
     n_chunks = (jnp.max(lengths) + t - 1) // t
     _, cache, logits = jax.lax.while_loop(
-        lambda c: c[0] < n_chunks, body,
-        (jnp.int32(0), cache, jnp.zeros((b, config.vocab_size), jnp.float32)))
+        lambda c: c[0] < n_chunks,
+        body,
+        (jnp.int32(0), cache, jnp.zeros((b, config.vocab_size), jnp.float32)),
+    )
     return cache, logits
 
 
-def decode(config: ModelConfig, policy: Policy, gen: GenerateConfig, params: Params,
-           cache: Cache, logits: Array, key: Array) -> tuple[GenerateOutput, Cache]:
+def decode(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    params: Params,
+    cache: Cache,
+    logits: Array,
+    key: Array,
+) -> tuple[GenerateOutput, Cache]:
     """Sample up to gen.max_new_tokens tokens per row, starting from next-token `logits` [B, V].
 
     Pure and jittable (a `lax.while_loop` that stops early once every row hit a stop token).
     """
     b, n = logits.shape[0], gen.max_new_tokens
     stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
-    telemetry = Telemetry(confidence=jnp.zeros((n, b), jnp.float32),
-                          live_slots=jnp.zeros((n, b, config.num_layers, 3), jnp.int32),
-                          budget=jnp.full((n, b), -1, jnp.int32),
-                          steps=jnp.int32(0),
-                          slot_bytes=jnp.asarray(slot_bytes_per_layer(cache), jnp.int32))
+    telemetry = Telemetry(
+        confidence=jnp.zeros((n, b), jnp.float32),
+        live_slots=jnp.zeros((n, b, config.num_layers, 3), jnp.int32),
+        budget=jnp.full((n, b), -1, jnp.int32),
+        steps=jnp.int32(0),
+        slot_bytes=jnp.asarray(slot_bytes_per_layer(cache), jnp.int32),
+    )
 
     def body(carry):
         step, cache, logits, key, done, out, count, tel = carry
@@ -193,39 +251,87 @@ def decode(config: ModelConfig, policy: Policy, gen: GenerateConfig, params: Par
         count = count + (~done).astype(jnp.int32)
         conf = confidence(logits).score()
         now_done = done | jnp.isin(tok, stops)
-        logits, cache = model_step(config, policy, params, cache, tok[:, None],
-                                   (~now_done)[:, None], implementation=gen.implementation)
-        tel = Telemetry(confidence=tel.confidence.at[step].set(jnp.where(done, 0.0, conf)),
-                        live_slots=tel.live_slots.at[step].set(live_slots_per_layer(cache)),
-                        budget=tel.budget.at[step].set(
-                            policy.current_budget(cache.policy_state, b)),
-                        steps=step + 1, slot_bytes=tel.slot_bytes)
+        logits, cache = model_step(
+            config,
+            policy,
+            params,
+            cache,
+            tok[:, None],
+            (~now_done)[:, None],
+            implementation=gen.implementation,
+        )
+        tel = Telemetry(
+            confidence=tel.confidence.at[step].set(jnp.where(done, 0.0, conf)),
+            live_slots=tel.live_slots.at[step].set(live_slots_per_layer(cache)),
+            budget=tel.budget.at[step].set(policy.current_budget(cache.policy_state, b)),
+            steps=step + 1,
+            slot_bytes=tel.slot_bytes,
+        )
         return step + 1, cache, logits[:, 0], key, now_done, out, count, tel
 
-    init = (jnp.int32(0), cache, logits, key, jnp.zeros((b,), bool),
-            jnp.full((b, n), gen.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), telemetry)
+    init = (
+        jnp.int32(0),
+        cache,
+        logits,
+        key,
+        jnp.zeros((b,), bool),
+        jnp.full((b, n), gen.pad_id, jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        telemetry,
+    )
     _, cache, _, _, _, out, count, tel = jax.lax.while_loop(
-        lambda c: (c[0] < n) & ~jnp.all(c[4]), body, init)
+        lambda c: (c[0] < n) & ~jnp.all(c[4]), body, init
+    )
     return GenerateOutput(tokens=out, num_generated=count, telemetry=tel), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def prefill_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig, params: Params,
-                  cache: Cache, tokens: Array, lengths: Array) -> tuple[Cache, Array]:
+def prefill_cache(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    params: Params,
+    cache: Cache,
+    tokens: Array,
+    lengths: Array,
+) -> tuple[Cache, Array]:
     """Jitted `prefill` with the cache donated (updated in place): compress a context first."""
-    return prefill(config, policy, params, cache, tokens, lengths, chunk_size=gen.chunk_size,
-                   implementation=gen.implementation)
+    return prefill(
+        config,
+        policy,
+        params,
+        cache,
+        tokens,
+        lengths,
+        chunk_size=gen.chunk_size,
+        implementation=gen.implementation,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def generate_from_cache(config: ModelConfig, policy: Policy, gen: GenerateConfig,
-                        params: Params, cache: Cache, tokens: Array, lengths: Array,
-                        key: Array) -> tuple[GenerateOutput, Cache]:
+def generate_from_cache(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    params: Params,
+    cache: Cache,
+    tokens: Array,
+    lengths: Array,
+    key: Array,
+) -> tuple[GenerateOutput, Cache]:
     """Continue from a filled cache (multi-turn chat, query-agnostic evaluation): prefill
     `tokens` ([B, S] right-padded, S a multiple of gen.chunk_size) on top of it, then decode.
     The cache is donated; the returned one replaces it."""
-    cache, logits = prefill(config, policy, params, cache, tokens, lengths,
-                            chunk_size=gen.chunk_size, implementation=gen.implementation)
+    cache, logits = prefill(
+        config,
+        policy,
+        params,
+        cache,
+        tokens,
+        lengths,
+        chunk_size=gen.chunk_size,
+        implementation=gen.implementation,
+    )
     return decode(config, policy, gen, params, cache, logits, key)
 
 

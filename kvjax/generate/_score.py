@@ -38,8 +38,17 @@ class ScoreOutput:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _score_segment(config: ModelConfig, policy: Policy, chunk: int, impl: Implementation,
-                   params: Params, cache: Cache, tokens: Array, targets: Array, valid: Array):
+def _score_segment(
+    config: ModelConfig,
+    policy: Policy,
+    chunk: int,
+    impl: Implementation,
+    params: Params,
+    cache: Cache,
+    tokens: Array,
+    targets: Array,
+    valid: Array,
+):
     """Feed a segment [B, K] chunk by chunk; NLL of each token's target. Cache is donated."""
     b, k = tokens.shape
 
@@ -58,9 +67,18 @@ def _score_segment(config: ModelConfig, policy: Policy, chunk: int, impl: Implem
     return cache, nll, jnp.moveaxis(live, 0, 1)
 
 
-def score_tokens(config: ModelConfig, params: Params, tokens, *, policy: Policy, chunk: int = 1,
-                 segment: int = 256, cache_dtype=None, implementation: Implementation = "xla",
-                 progress: bool = False) -> ScoreOutput:
+def score_tokens(
+    config: ModelConfig,
+    params: Params,
+    tokens,
+    *,
+    policy: Policy,
+    chunk: int = 1,
+    segment: int = 256,
+    cache_dtype=None,
+    implementation: Implementation = "xla",
+    progress: bool = False,
+) -> ScoreOutput:
     """Teacher-forced NLL of every token after the first, through the policy's cache.
 
     Args:
@@ -80,13 +98,16 @@ def score_tokens(config: ModelConfig, params: Params, tokens, *, policy: Policy,
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens must be [S] or [B, S] with S >= 2, got shape {tokens.shape}")
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
-        raise ValueError(f"token ids must be in [0, {config.vocab_size}), got min "
-                         f"{tokens.min()} max {tokens.max()}")
+        raise ValueError(
+            f"token ids must be in [0, {config.vocab_size}), got min "
+            f"{tokens.min()} max {tokens.max()}"
+        )
     if segment % chunk:
         raise ValueError(f"segment ({segment}) must be a multiple of chunk ({chunk})")
     if config.max_positions and tokens.shape[1] > config.max_positions:
-        raise ValueError(f"{tokens.shape[1]} tokens exceed the model's {config.max_positions} "
-                         "learned positions")
+        raise ValueError(
+            f"{tokens.shape[1]} tokens exceed the model's {config.max_positions} learned positions"
+        )
     b, s = tokens.shape
     n = s - 1  # predictions
     n_pad = math.ceil(n / segment) * segment
@@ -104,8 +125,9 @@ def score_tokens(config: ModelConfig, params: Params, tokens, *, policy: Policy,
         bar = tqdm(bar, desc=f"ppl [{policy.name}]", unit="seg", total=n_pad // segment)
     for start in bar:
         sl = slice(start, start + segment)
-        cache, nll, live = _score_segment(config, policy, chunk, implementation, params, cache,
-                                          inp[:, sl], tgt[:, sl], val[:, sl])
+        cache, nll, live = _score_segment(
+            config, policy, chunk, implementation, params, cache, inp[:, sl], tgt[:, sl], val[:, sl]
+        )
         nlls.append(nll)
         lives.append(live)
     nll = jnp.concatenate(nlls, axis=1)[:, :n]

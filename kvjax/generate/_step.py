@@ -17,9 +17,17 @@ from kvjax.policies import Policy
 Array = jax.Array
 
 
-def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache, tokens: Array,
-               valid: Array, *, query_weight: Array | None = None,
-               implementation: Implementation = "xla") -> tuple[Array, Cache]:
+def model_step(
+    config: ModelConfig,
+    policy: Policy,
+    params: Params,
+    cache: Cache,
+    tokens: Array,
+    valid: Array,
+    *,
+    query_weight: Array | None = None,
+    implementation: Implementation = "xla",
+) -> tuple[Array, Cache]:
     """Feed T tokens per sequence at positions cache.length + [0, T) and update the cache.
 
     Args:
@@ -42,23 +50,37 @@ def model_step(config: ModelConfig, policy: Policy, params: Params, cache: Cache
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if query_weight is None:
         query_weight = policy.query_weight(positions, valid)
-    out = forward(config, params, tokens, positions, valid, cache, query_weight=query_weight,
-                  implementation=implementation)
+    out = forward(
+        config,
+        params,
+        tokens,
+        positions,
+        valid,
+        cache,
+        query_weight=query_weight,
+        implementation=implementation,
+    )
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
     layers = tuple(
         policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
         for i, (layer, k, v, st) in enumerate(
-            zip(cache.layers, out.k_new, out.v_new, out.stats, strict=True)))
+            zip(cache.layers, out.k_new, out.v_new, out.stats, strict=True)
+        )
+    )
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, new_cache
 
 
-def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int,
-              dtype) -> Cache:
+def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
     """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
-    spec = policy.cache_spec(batch=batch, num_layers=config.num_layers,
-                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                             max_len=max_len, dtype=dtype)
+    spec = policy.cache_spec(
+        batch=batch,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=dtype,
+    )
     return init_cache(spec, policy.init_state(batch))

@@ -33,5 +33,7 @@ def check_tokens(tokens: np.ndarray, lengths: np.ndarray, vocab_size: int) -> No
     bad = real & ((tokens < 0) | (tokens >= vocab_size))
     if bad.any():
         b, t = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"token id {int(tokens[b, t])} at prompt {b}, position {t} is out of "
-                         f"range [0, {vocab_size})")
+        raise ValueError(
+            f"token id {int(tokens[b, t])} at prompt {b}, position {t} is out of "
+            f"range [0, {vocab_size})"
+        )

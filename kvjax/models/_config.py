@@ -50,14 +50,22 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                      "head_dim", "intermediate_size"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig.{field} must be > 0, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         if self.arch == Arch.GPT2 and self.max_positions <= 0:
             raise ValueError("ModelConfig.max_positions must be > 0 for GPT-2 (learned positions)")
 
@@ -83,17 +91,54 @@ class ModelConfig:
 
 # Named presets (random-init shapes for tests and benchmarks; real weights come from files).
 SMOLLM2_135M = ModelConfig(
-    arch=Arch.LLAMA, vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100000.0, norm_eps=1e-5,
-    tie_embeddings=True, name="SmolLM2-135M")
+    arch=Arch.LLAMA,
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rope_theta=100000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    name="SmolLM2-135M",
+)
 LLAMA3_8B = ModelConfig(
-    arch=Arch.LLAMA, vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0, norm_eps=1e-5,
-    tie_embeddings=False, name="Llama-3-8B")
+    arch=Arch.LLAMA,
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rope_theta=500000.0,
+    norm_eps=1e-5,
+    tie_embeddings=False,
+    name="Llama-3-8B",
+)
 TINY_LLAMA = ModelConfig(
-    arch=Arch.LLAMA, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=16, intermediate_size=128, name="tiny-llama")
+    arch=Arch.LLAMA,
+    vocab_size=128,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    name="tiny-llama",
+)
 TINY_GPT2 = ModelConfig(
-    arch=Arch.GPT2, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
-    head_dim=16, intermediate_size=256, max_positions=64, name="tiny-gpt2")
+    arch=Arch.GPT2,
+    vocab_size=128,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=16,
+    intermediate_size=256,
+    max_positions=64,
+    name="tiny-gpt2",
+)
 PRESETS = {c.name: c for c in (SMOLLM2_135M, LLAMA3_8B, TINY_LLAMA, TINY_GPT2)}

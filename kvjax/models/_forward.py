@@ -36,9 +36,17 @@ class ForwardOutput:
     stats: tuple[AttnStats, ...]
 
 
-def forward(config: ModelConfig, params: Params, tokens: Array, positions: Array, valid: Array,
-            cache: Cache, *, query_weight: Array | None = None,
-            implementation: Implementation = "xla") -> ForwardOutput:
+def forward(
+    config: ModelConfig,
+    params: Params,
+    tokens: Array,
+    positions: Array,
+    valid: Array,
+    cache: Cache,
+    *,
+    query_weight: Array | None = None,
+    implementation: Implementation = "xla",
+) -> ForwardOutput:
     """Run the model on T new tokens per sequence, attending over the cache plus themselves.
 
     Args:

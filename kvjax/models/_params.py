@@ -78,19 +78,48 @@ def init_params(config: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
 
     if config.arch == Arch.GPT2:
         layers = tuple(
-            GPT2Layer(ln1_g=norm(e), ln1_b=w(e), w_qkv=w(e, 3 * q), b_qkv=w(3 * q), wo=w(q, e),
-                      bo=w(e), ln2_g=norm(e), ln2_b=w(e), w_fc=w(e, f), b_fc=w(f),
-                      w_proj=w(f, e), b_proj=w(e))
-            for _ in range(config.num_layers))
-        return GPT2Params(wte=w(config.vocab_size, e), wpe=w(config.max_positions, e),
-                          layers=layers, ln_f_g=norm(e), ln_f_b=w(e))
+            GPT2Layer(
+                ln1_g=norm(e),
+                ln1_b=w(e),
+                w_qkv=w(e, 3 * q),
+                b_qkv=w(3 * q),
+                wo=w(q, e),
+                bo=w(e),
+                ln2_g=norm(e),
+                ln2_b=w(e),
+                w_fc=w(e, f),
+                b_fc=w(f),
+                w_proj=w(f, e),
+                b_proj=w(e),
+            )
+            for _ in range(config.num_layers)
+        )
+        return GPT2Params(
+            wte=w(config.vocab_size, e),
+            wpe=w(config.max_positions, e),
+            layers=layers,
+            ln_f_g=norm(e),
+            ln_f_b=w(e),
+        )
     bias = config.attn_bias
     layers = tuple(
-        LlamaLayer(attn_norm=norm(e), wq=w(e, q), wk=w(e, kv), wv=w(e, kv), wo=w(q, e),
-                   bq=w(q) if bias else None, bk=w(kv) if bias else None,
-                   bv=w(kv) if bias else None, mlp_norm=norm(e), w_gate=w(e, f), w_up=w(e, f),
-                   w_down=w(f, e))
-        for _ in range(config.num_layers))
+        LlamaLayer(
+            attn_norm=norm(e),
+            wq=w(e, q),
+            wk=w(e, kv),
+            wv=w(e, kv),
+            wo=w(q, e),
+            bq=w(q) if bias else None,
+            bk=w(kv) if bias else None,
+            bv=w(kv) if bias else None,
+            mlp_norm=norm(e),
+            w_gate=w(e, f),
+            w_up=w(e, f),
+            w_down=w(f, e),
+        )
+        for _ in range(config.num_layers)
+    )
     head = None if config.tie_embeddings else w(e, config.vocab_size)
-    return LlamaParams(embed=w(config.vocab_size, e), layers=layers, final_norm=norm(e),
-                       lm_head=head)
+    return LlamaParams(
+        embed=w(config.vocab_size, e), layers=layers, final_norm=norm(e), lm_head=head
+    )

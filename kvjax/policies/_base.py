@@ -39,12 +39,25 @@ class Policy(abc.ABC):
         del num_layers, max_len
         return None
 
-    def cache_spec(self, *, batch: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                   max_len: int, dtype: Any) -> CacheSpec:
+    def cache_spec(
+        self,
+        *,
+        batch: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: Any,
+    ) -> CacheSpec:
         """The cache this policy needs for `batch` sequences of at most `max_len` tokens."""
-        return CacheSpec(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         capacities=self.capacities(num_layers, max_len), dtype=dtype,
-                         int8_capacities=self.int8_capacities(num_layers, max_len))
+        return CacheSpec(
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            capacities=self.capacities(num_layers, max_len),
+            dtype=dtype,
+            int8_capacities=self.int8_capacities(num_layers, max_len),
+        )
 
     def init_state(self, batch: int) -> Any:
         """Policy-wide state carried in the cache (None if the policy needs none)."""
@@ -68,8 +81,18 @@ class Policy(abc.ABC):
         return state
 
     @abc.abstractmethod
-    def write(self, layer: LayerCache, k_new: Array, v_new: Array, pos_new: Array,
-              valid: Array, stats: AttnStats, state: Any, *, layer_index: int) -> LayerCache:
+    def write(
+        self,
+        layer: LayerCache,
+        k_new: Array,
+        v_new: Array,
+        pos_new: Array,
+        valid: Array,
+        stats: AttnStats,
+        state: Any,
+        *,
+        layer_index: int,
+    ) -> LayerCache:
         """Insert this call's tokens (evicting as needed) and update slot scores.
 
         Args:

@@ -25,8 +25,11 @@ class Confidence:
 
     def score(self, w_entropy: float = 0.4, w_margin: float = 0.3, w_top1: float = 0.3) -> Array:
         """c = w_H (1 - Ĥ) + w_m σ(m) + w_p p1 (CONF-KV's confidence, default weights)."""
-        return (w_entropy * (1.0 - self.entropy_norm) + w_margin * jax.nn.sigmoid(self.margin)
-                + w_top1 * self.top1)
+        return (
+            w_entropy * (1.0 - self.entropy_norm)
+            + w_margin * jax.nn.sigmoid(self.margin)
+            + w_top1 * self.top1
+        )
 
 
 def confidence(logits: Array) -> Confidence:
@@ -35,5 +38,8 @@ def confidence(logits: Array) -> Confidence:
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
     top2 = jax.lax.top_k(logp, 2)[0]
-    return Confidence(entropy_norm=entropy / jnp.log(logits.shape[-1]),
-                      margin=top2[:, 0] - top2[:, 1], top1=jnp.exp(top2[:, 0]))
+    return Confidence(
+        entropy_norm=entropy / jnp.log(logits.shape[-1]),
+        margin=top2[:, 0] - top2[:, 1],
+        top1=jnp.exp(top2[:, 0]),
+    )

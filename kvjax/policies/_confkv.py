@@ -55,28 +55,33 @@ class ConfKVPolicy(RankedPolicy):
     num_layers: int = 1
 
     def __post_init__(self) -> None:
-        checks = [("tight_ratio", 0 < self.tight_ratio <= 1, "(0, 1]"),
-                  ("tau", 0 <= self.tau <= 1, "[0, 1]"),
-                  ("ema_decay", 0 <= self.ema_decay < 1, "[0, 1)"),
-                  ("recency_weight", self.recency_weight >= 0, ">= 0"),
-                  ("protected", self.protected >= 1, ">= 1"),
-                  ("fp_window", self.fp_window >= 1, ">= 1"),
-                  ("pyramid", 0 <= self.pyramid < 1, "[0, 1)"),
-                  ("num_layers", self.num_layers >= 1, ">= 1")]
+        checks = [
+            ("tight_ratio", 0 < self.tight_ratio <= 1, "(0, 1]"),
+            ("tau", 0 <= self.tau <= 1, "[0, 1]"),
+            ("ema_decay", 0 <= self.ema_decay < 1, "[0, 1)"),
+            ("recency_weight", self.recency_weight >= 0, ">= 0"),
+            ("protected", self.protected >= 1, ">= 1"),
+            ("fp_window", self.fp_window >= 1, ">= 1"),
+            ("pyramid", 0 <= self.pyramid < 1, "[0, 1)"),
+            ("num_layers", self.num_layers >= 1, ">= 1"),
+        ]
         for field, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"ConfKVPolicy.{field} must be in {allowed}, "
-                                 f"got {getattr(self, field)}")
+                raise ValueError(
+                    f"ConfKVPolicy.{field} must be in {allowed}, got {getattr(self, field)}"
+                )
         if len(self.weights) != 3 or min(self.weights) < 0:
-            raise ValueError(f"ConfKVPolicy.weights must be 3 non-negative numbers, "
-                             f"got {self.weights}")
+            raise ValueError(
+                f"ConfKVPolicy.weights must be 3 non-negative numbers, got {self.weights}"
+            )
         for li in range(self.num_layers):
             tight = self._tight(li)
             if tight - self.ring < 1:
                 raise ValueError(
                     f"ConfKVPolicy: budget {self.budget} is too small — the tight budget "
                     f"{tight} (layer {li}) must exceed the protected window {self.ring} "
-                    f"(protected={self.protected}, fp_window={self.fp_window if self.int8 else 0})")
+                    f"(protected={self.protected}, fp_window={self.fp_window if self.int8 else 0})"
+                )
 
     @property
     def ring(self) -> int:

@@ -37,8 +37,10 @@ class KIVIPolicy(Policy):
 
     def __post_init__(self) -> None:
         if self.group < 1 or self.residual < self.group or self.residual % self.group:
-            raise ValueError(f"KIVIPolicy.residual ({self.residual}) must be a positive multiple "
-                             f"of group ({self.group})")
+            raise ValueError(
+                f"KIVIPolicy.residual ({self.residual}) must be a positive multiple "
+                f"of group ({self.group})"
+            )
         if self.bits not in BITS:
             raise ValueError(f"KIVIPolicy.bits must be one of {BITS}, got {self.bits}")
 
@@ -47,11 +49,17 @@ class KIVIPolicy(Policy):
         return self.residual
 
     def cache_spec(self, *, batch, num_layers, num_kv_heads, head_dim, max_len, dtype):
-        return CacheSpec(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         capacities=(self.residual,) * num_layers, dtype=dtype,
-                         lowbit_pages=(math.ceil(max_len / self.group) + 1,) * num_layers,
-                         lowbit_page_size=self.group, lowbit_bits=self.bits,
-                         lowbit_value_group=min(self.value_group, head_dim))
+        return CacheSpec(
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            capacities=(self.residual,) * num_layers,
+            dtype=dtype,
+            lowbit_pages=(math.ceil(max_len / self.group) + 1,) * num_layers,
+            lowbit_page_size=self.group,
+            lowbit_bits=self.bits,
+            lowbit_value_group=min(self.value_group, head_dim),
+        )
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del stats, state, layer_index
@@ -65,8 +73,8 @@ class KIVIPolicy(Policy):
         i = jnp.arange(r + t, dtype=jnp.int32)[None, :]
         src = jnp.where(i < c0[:, None], i, r + i - c0[:, None])  # [B, R+T]
         take = lambda a, x: jnp.take_along_axis(
-            jnp.concatenate([a, x], axis=2),
-            jnp.clip(src, 0, r + t - 1)[:, None, :, None], axis=2)
+            jnp.concatenate([a, x], axis=2), jnp.clip(src, 0, r + t - 1)[:, None, :, None], axis=2
+        )
         ks = take(layer.k, jnp.swapaxes(k_new, 1, 2).astype(layer.k.dtype))  # [B, H, R+T, D]
         vs = take(layer.v, jnp.swapaxes(v_new, 1, 2).astype(layer.v.dtype))
         # Full pages of the stream below f1 are quantized (once) and written.
@@ -81,24 +89,30 @@ class KIVIPolicy(Policy):
             ok = (j + 1) * g <= (f1 - f0)[:, None]
             page = jnp.where(ok, f0[:, None] // g + j, lb.pos.shape[2])[:, None, :]  # [B, 1, P']
             page = jnp.broadcast_to(page, (b, h, n_pages))
-            tok_pos = f0[:, None, None, None] + (j[:, None, :, None] * g
-                                                + jnp.arange(g)[None, None, None, :])
+            tok_pos = f0[:, None, None, None] + (
+                j[:, None, :, None] * g + jnp.arange(g)[None, None, None, :]
+            )
             bi = jnp.arange(b)[:, None, None]
             hi = jnp.arange(h)[None, :, None]
             put = lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
-            lb = lb.replace(k=put(lb.k, pack(kc, self.bits)), v=put(lb.v, pack(vc, self.bits)),
-                            k_scale=put(lb.k_scale, k_scale), k_zero=put(lb.k_zero, k_zero),
-                            v_scale=put(lb.v_scale, v_scale), v_zero=put(lb.v_zero, v_zero),
-                            pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))))
+            lb = lb.replace(
+                k=put(lb.k, pack(kc, self.bits)),
+                v=put(lb.v, pack(vc, self.bits)),
+                k_scale=put(lb.k_scale, k_scale),
+                k_zero=put(lb.k_zero, k_zero),
+                v_scale=put(lb.v_scale, v_scale),
+                v_zero=put(lb.v_zero, v_zero),
+                pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))),
+            )
             layer = layer.replace(lowbit=lb)
         # The residual becomes the stream's tail from f1 on.
         s = jnp.arange(r, dtype=jnp.int32)[None, :]
         tail = (f1 - f0)[:, None] + s  # [B, R] stream index of each residual slot
         keep = f1[:, None] + s < n1[:, None]
-        pick = lambda x: jnp.take_along_axis(x, jnp.clip(tail, 0, r + t - 1)[:, None, :, None],
-                                             axis=2)
+        pick = lambda x: jnp.take_along_axis(
+            x, jnp.clip(tail, 0, r + t - 1)[:, None, :, None], axis=2
+        )
         pos = jnp.broadcast_to(jnp.where(keep, f1[:, None] + s, -1)[:, None, :], (b, h, r))
-        return layer.replace(k=pick(ks), v=pick(vs), pos=pos.astype(jnp.int32),
-                             score=jnp.zeros_like(layer.score))
-
-
+        return layer.replace(
+            k=pick(ks), v=pick(vs), pos=pos.astype(jnp.int32), score=jnp.zeros_like(layer.score)
+        )

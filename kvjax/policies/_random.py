@@ -13,8 +13,11 @@ from kvjax.policies._ranked import RankedPolicy
 def hash_uniform(seed: int, layer: int, pos, shape) -> jnp.ndarray:
     """Deterministic pseudo-random floats in [0, 1) from (seed, layer, KV head, position)."""
     h = jnp.arange(shape[1], dtype=jnp.uint32)[None, :, None]
-    x = (pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
-         + h * jnp.uint32(0x85EBCA77) + jnp.uint32((seed * 1000003 + layer * 7919) & 0xFFFFFFFF))
+    x = (
+        pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+        + h * jnp.uint32(0x85EBCA77)
+        + jnp.uint32((seed * 1000003 + layer * 7919) & 0xFFFFFFFF)
+    )
     for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
         x = (x ^ (x >> jnp.uint32(shift))) * jnp.uint32(mul)
     return (x >> jnp.uint32(8)).astype(jnp.float32) / jnp.float32(1 << 24)

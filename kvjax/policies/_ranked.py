@@ -73,8 +73,9 @@ class RankedPolicy(Policy):
         return jnp.full((batch,), self.max_budget(layer_index) - self.ring, jnp.int32)
 
     # --- scores (override) -------------------------------------------------------------------
-    def update_score(self, score: Array, mass: Array, pos: Array, cur: Array, state: Any,
-                     layer_index: int) -> Array:
+    def update_score(
+        self, score: Array, mass: Array, pos: Array, cur: Array, state: Any, layer_index: int
+    ) -> Array:
         """New scores of cached tokens given this call's attention mass (default: accumulate)."""
         del pos, cur, state, layer_index
         return score + mass
@@ -103,7 +104,8 @@ class RankedPolicy(Policy):
                 raise ValueError(
                     f"{type(self).__name__}: budget {self.max_budget(layer)} leaves {ranked} "
                     f"ranked slots after the protected window ({self.ring}); it must exceed "
-                    f"the window + sinks ({self.ring} + {self.sinks})")
+                    f"the window + sinks ({self.ring} + {self.sinks})"
+                )
 
     def capacity(self, max_len: int) -> int:
         del max_len
@@ -154,9 +156,12 @@ class RankedPolicy(Policy):
             layer = self._scored(layer, stats, cur3, state, li)
         budget = self.ranked_budget(state, li, b)[:, None]  # [B, 1]
         layer = self._shrink(layer, budget, cur3, li)
-        new = Tokens(k=jnp.swapaxes(k_new, 1, 2), v=jnp.swapaxes(v_new, 1, 2),
-                     pos=jnp.broadcast_to(pos_new[:, None, :], (b, h, 1)),
-                     score=self.init_score(stats.new_mass, pos_new[:, None, :], state, li))
+        new = Tokens(
+            k=jnp.swapaxes(k_new, 1, 2),
+            v=jnp.swapaxes(v_new, 1, 2),
+            pos=jnp.broadcast_to(pos_new[:, None, :], (b, h, 1)),
+            score=self.init_score(stats.new_mass, pos_new[:, None, :], state, li),
+        )
         ring_slot = jnp.broadcast_to((cur % w)[:, None, None], (b, h, 1))
         leaving = fp_slice(layer, 0, w).take(ring_slot)  # the token the new one pushes out
         ranked = self._ranked(layer)
@@ -184,8 +189,9 @@ class RankedPolicy(Policy):
 
         def compact(layer):
             ranked = self._ranked(layer)
-            kept = _select_prefix(ranked, self._prio(ranked, cur3, li), budget,
-                                  ranked.pos.shape[-1])
+            kept = _select_prefix(
+                ranked, self._prio(ranked, cur3, li), budget, ranked.pos.shape[-1]
+            )
             return self._set_ranked(layer, kept)
 
         return jax.lax.cond(jnp.any(live > budget), compact, lambda x: x, layer)
@@ -203,9 +209,12 @@ class RankedPolicy(Policy):
         cur3 = last[:, None, None]
         layer = self._scored(layer, stats, cur3, state, li)
         pos = jnp.where(valid, pos_new, -1)[:, None, :]
-        new = Tokens(k=jnp.swapaxes(k_new, 1, 2), v=jnp.swapaxes(v_new, 1, 2),
-                     pos=jnp.broadcast_to(pos, (b, h, t)),
-                     score=self.init_score(stats.new_mass, pos, state, li))
+        new = Tokens(
+            k=jnp.swapaxes(k_new, 1, 2),
+            v=jnp.swapaxes(v_new, 1, 2),
+            pos=jnp.broadcast_to(pos, (b, h, t)),
+            score=self.init_score(stats.new_mass, pos, state, li),
+        )
         ring = fp_slice(layer, 0, w)
         stays = lambda p: (p >= 0) & (p > cur3 - w)  # among the w most recent
         ranked = self._ranked(layer)
@@ -216,8 +225,9 @@ class RankedPolicy(Policy):
         # Scores see every token (SnapKV pools votes over all neighbours); then ring leavers and
         # new tokens too old for the ring compete with the ranked region.
         stay = jnp.concatenate([jnp.zeros_like(ranked.pos, bool), stays(fresh.pos)], axis=-1)
-        cands = cands.replace(score=self.candidate_scores(cands),
-                              pos=jnp.where(stay, -1, cands.pos))
+        cands = cands.replace(
+            score=self.candidate_scores(cands), pos=jnp.where(stay, -1, cands.pos)
+        )
         budget = self.ranked_budget(state, li, b)[:, None]
         kept = _select_prefix(cands, self._prio(cands, cur3, li), budget, ranked.pos.shape[-1])
         layer = self._set_ranked(layer, kept)

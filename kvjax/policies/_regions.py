@@ -44,20 +44,32 @@ class Tokens:
 
     def take(self, idx: Array) -> Tokens:
         """Gather along the token axis with idx [B, H, M]."""
-        return jax.tree.map(lambda a: jnp.take_along_axis(
-            a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), axis=2), self)
+        return jax.tree.map(
+            lambda a: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), axis=2),
+            self,
+        )
 
 
 def fp_slice(layer: LayerCache, start: int, stop: int | None = None) -> Tokens:
     """Full-precision slots [start, stop) as Tokens."""
     sl = slice(start, stop)
-    return Tokens(k=layer.k[:, :, sl], v=layer.v[:, :, sl], pos=layer.pos[:, :, sl],
-                  score=layer.score[:, :, sl])
+    return Tokens(
+        k=layer.k[:, :, sl],
+        v=layer.v[:, :, sl],
+        pos=layer.pos[:, :, sl],
+        score=layer.score[:, :, sl],
+    )
 
 
 def int8_tokens(tier: Int8Tier) -> Tokens:
-    return Tokens(k=tier.k, v=tier.v, pos=tier.pos, score=tier.score, k_scale=tier.k_scale,
-                  v_scale=tier.v_scale)
+    return Tokens(
+        k=tier.k,
+        v=tier.v,
+        pos=tier.pos,
+        score=tier.score,
+        k_scale=tier.k_scale,
+        v_scale=tier.v_scale,
+    )
 
 
 _FP_FIELDS = ("k", "v", "pos", "score")
@@ -86,10 +98,20 @@ def scatter_int8(tier: Int8Tier, slots: Array, toks: Tokens) -> Int8Tier:
 def replace_fp_range(layer: LayerCache, start: int, toks: Tokens) -> LayerCache:
     """Overwrite full-precision slots [start, start + N) with toks."""
     upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), start, axis=2)
-    return layer.replace(k=upd(layer.k, toks.k), v=upd(layer.v, toks.v),
-                         pos=upd(layer.pos, toks.pos), score=upd(layer.score, toks.score))
+    return layer.replace(
+        k=upd(layer.k, toks.k),
+        v=upd(layer.v, toks.v),
+        pos=upd(layer.pos, toks.pos),
+        score=upd(layer.score, toks.score),
+    )
 
 
 def int8_from_tokens(toks: Tokens) -> Int8Tier:
-    return Int8Tier(k=toks.k, v=toks.v, k_scale=toks.k_scale, v_scale=toks.v_scale,
-                    pos=toks.pos, score=toks.score)
+    return Int8Tier(
+        k=toks.k,
+        v=toks.v,
+        k_scale=toks.k_scale,
+        v_scale=toks.v_scale,
+        pos=toks.pos,
+        score=toks.score,
+    )

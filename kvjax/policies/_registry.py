@@ -18,8 +18,17 @@ from kvjax.policies._window import WindowPolicy
 
 POLICIES: dict[str, type[Policy] | functools.partial] = {
     cls.name: cls
-    for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy,
-                SnapKVPolicy, ConfKVPolicy, KIVIPolicy)
+    for cls in (
+        FullPolicy,
+        WindowPolicy,
+        StreamingPolicy,
+        H2OPolicy,
+        TOVAPolicy,
+        RandomPolicy,
+        SnapKVPolicy,
+        ConfKVPolicy,
+        KIVIPolicy,
+    )
 }
 # Named presets of a policy class.
 POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
@@ -28,8 +37,9 @@ BUDGETLESS = frozenset({"full", "kivi"})
 NEEDS_LAYERS = frozenset({"confkv", "confkv-l"})
 
 
-def make_policy(name: str, budget: int | None = None, *, num_layers: int | None = None,
-                **kwargs: Any) -> Policy:
+def make_policy(
+    name: str, budget: int | None = None, *, num_layers: int | None = None, **kwargs: Any
+) -> Policy:
     """Build a policy by name.
 
     Args:

@@ -60,7 +60,8 @@ class SnapKVPolicy(RankedPolicy):
         big = jnp.iinfo(jnp.int32).max
         order = jnp.argsort(jnp.where(cands.pos >= 0, cands.pos, big), axis=-1)
         votes = jnp.take_along_axis(jnp.where(cands.pos >= 0, cands.score, -jnp.inf), order, -1)
-        pooled = jax.lax.reduce_window(votes, -jnp.inf, jax.lax.max, (1, 1, self.pool),
-                                       (1, 1, 1), "SAME")
+        pooled = jax.lax.reduce_window(
+            votes, -jnp.inf, jax.lax.max, (1, 1, self.pool), (1, 1, 1), "SAME"
+        )
         # Neighbours are neighbours in position order among the candidates still held.
         return jnp.take_along_axis(pooled, jnp.argsort(order, axis=-1), -1)

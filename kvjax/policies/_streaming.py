@@ -29,7 +29,8 @@ class StreamingPolicy(PositionalPolicy):
         if self.budget <= self.sinks:
             raise ValueError(
                 f"StreamingPolicy.budget ({self.budget}) must be larger than sinks "
-                f"({self.sinks}): no room is left for the recent window")
+                f"({self.sinks}): no room is left for the recent window"
+            )
 
     def capacity(self, max_len: int) -> int:
         del max_len

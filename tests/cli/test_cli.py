@@ -14,9 +14,18 @@ def run(capsys, *argv):
 
 
 def test_generate_chat_answers_paris(capsys):
-    code, out, _ = run(capsys, "generate", "--chat", "--prompt",
-                       "What is the capital of France? Answer in one sentence.",
-                       "--policy", "full", "--max-new-tokens", "30", "--json")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France? Answer in one sentence.",
+        "--policy",
+        "full",
+        "--max-new-tokens",
+        "30",
+        "--json",
+    )
     assert code == 0
     res = json.loads(out)
     assert "Paris" in res["text"]
@@ -25,8 +34,9 @@ def test_generate_chat_answers_paris(capsys):
 
 
 def test_ppl_json_fields(capsys):
-    code, out, _ = run(capsys, "ppl", "--policy", "window", "--budget", "16", "--tokens", "40",
-                       "--json")
+    code, out, _ = run(
+        capsys, "ppl", "--policy", "window", "--budget", "16", "--tokens", "40", "--json"
+    )
     assert code == 0
     res = json.loads(out)
     assert {"ppl", "tokens", "live_bytes_mean", "live_bytes_peak"} <= set(res)
@@ -36,15 +46,20 @@ def test_ppl_json_fields(capsys):
     assert 1 < res["ppl"] < 1000
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["ppl", "--policy", "nope", "--tokens", "8"], "unknown policy 'nope'"),
-    (["ppl", "--policy", "streaming", "--budget", "3", "--tokens", "8"],
-     r"budget \(3\) must be larger than sinks \(4\)"),
-    (["ppl", "--policy", "window", "--tokens", "8"], "needs a budget"),
-    (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent"),
-    (["ppl", "--policy", "full", "--tokens", "1"], "--tokens must be >= 2"),
-    (["ppl", "--policy", "full", "--tokens", "8", "--text", "missing.txt"], "missing.txt"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["ppl", "--policy", "nope", "--tokens", "8"], "unknown policy 'nope'"),
+        (
+            ["ppl", "--policy", "streaming", "--budget", "3", "--tokens", "8"],
+            r"budget \(3\) must be larger than sinks \(4\)",
+        ),
+        (["ppl", "--policy", "window", "--tokens", "8"], "needs a budget"),
+        (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent"),
+        (["ppl", "--policy", "full", "--tokens", "1"], "--tokens must be >= 2"),
+        (["ppl", "--policy", "full", "--tokens", "8", "--text", "missing.txt"], "missing.txt"),
+    ],
+)
 def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):
     import re
 

@@ -58,9 +58,17 @@ def tiny_model(tiny_llama):
 
 
 def _run(model, protocol, *, policy="full", budget=None, lengths=(384, 512), depths=(0, 50, 100)):
-    return run_niah(model, make_policy(policy, budget), lengths=list(lengths),
-                    depths=list(depths), protocol=protocol, budget=budget, max_new_tokens=6,
-                    chunk_size=128, haystack=HAYSTACK)
+    return run_niah(
+        model,
+        make_policy(policy, budget),
+        lengths=list(lengths),
+        depths=list(depths),
+        protocol=protocol,
+        budget=budget,
+        max_new_tokens=6,
+        chunk_size=128,
+        haystack=HAYSTACK,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +93,10 @@ def test_insert_needle_golden():
     assert at == 10 and out == [*hay, 9, 9]
 
 
-@given(hay=st.lists(st.integers(0, 3), min_size=1, max_size=60),
-       depth=st.floats(0, 100, allow_nan=False))
+@given(
+    hay=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    depth=st.floats(0, 100, allow_nan=False),
+)
 def test_insert_needle_properties(hay, depth):
     ends = (0).__eq__
     needle = [7, 8, 9]
@@ -107,26 +117,29 @@ def test_build_prompt_token_layout():
     needle = tok.encode(" " + NEEDLE)
     n = 512 - 200 - len(needle)
     assert p.context[: len(head)] == head
-    body = p.context[len(head):]
+    body = p.context[len(head) :]
     at = p.needle_start - len(head)
     assert len(body) == 512 - 200  # haystack + needle fill length − buffer
-    assert body[at: at + len(needle)] == needle
-    assert body[:at] + body[at + len(needle):] == hay[:n]  # haystack untouched
+    assert body[at : at + len(needle)] == needle
+    assert body[:at] + body[at + len(needle) :] == hay[:n]  # haystack untouched
     assert body[at - 1] == ord(".") and at <= n // 2
     assert p.needle_depth == pytest.approx(100 * at / n)
     assert tok.decode(p.question).startswith("\n\nWhat is the best thing to do in San Francisco?")
     assert tok.decode(p.question).endswith("\x03<assistant>")
 
 
-@pytest.mark.parametrize("answer,score,soft", [
-    ("The best thing is to eat a sandwich and sit in Dolores Park.", 1.0, 5 / 7),
-    ("Eat a SANDWICH in dolores\n  park on a sunny day", 1.0, 6 / 7),  # case, whitespace
-    ("sandwiches in Dolores Park", 1.0, 2 / 7),  # substrings: 'sandwich' ⊂ 'sandwiches'
-    ("Sit in Dolores Park on a sunny day.", 0.0, 5 / 7),  # no sandwich
-    ("eat a sandwich in DoloresPark", 0.0, 2 / 7),  # 'dolores park' needs the space
-    ("The best thing to do in San Francisco", 0.0, 0.0),  # echoing the question earns nothing
-    ("", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "answer,score,soft",
+    [
+        ("The best thing is to eat a sandwich and sit in Dolores Park.", 1.0, 5 / 7),
+        ("Eat a SANDWICH in dolores\n  park on a sunny day", 1.0, 6 / 7),  # case, whitespace
+        ("sandwiches in Dolores Park", 1.0, 2 / 7),  # substrings: 'sandwich' ⊂ 'sandwiches'
+        ("Sit in Dolores Park on a sunny day.", 0.0, 5 / 7),  # no sandwich
+        ("eat a sandwich in DoloresPark", 0.0, 2 / 7),  # 'dolores park' needs the space
+        ("The best thing to do in San Francisco", 0.0, 0.0),  # echoing the question earns nothing
+        ("", 0.0, 0.0),
+    ],
+)
 def test_scoring_rule(answer, score, soft):
     assert score_niah_answer(answer) == (score, pytest.approx(soft))
 
@@ -134,12 +147,20 @@ def test_scoring_rule(answer, score, soft):
 def test_grid_and_json_structure(aware):
     assert aware.protocol == "query-aware" and aware.policy == "full" and aware.budget is None
     assert [(c.length, c.depth) for c in aware.cells] == [
-        (n, d) for n in (384, 512) for d in (0.0, 50.0, 100.0)]
+        (n, d) for n in (384, 512) for d in (0.0, 50.0, 100.0)
+    ]
     assert set(aware.mean_score_by_length) == {"384", "512"}
     data = json.loads(json.dumps(dataclasses.asdict(aware)))
     cell = data["cells"][0]
-    assert set(cell) >= {"length", "depth", "score", "soft_score", "answer", "prompt_tokens",
-                         "live_kv_bytes"}
+    assert set(cell) >= {
+        "length",
+        "depth",
+        "score",
+        "soft_score",
+        "answer",
+        "prompt_tokens",
+        "live_kv_bytes",
+    }
     for c in aware.cells:
         assert c.prompt_tokens <= c.length - 6  # prompt + answer fit in the context length
         assert 1 <= len(c.answer_tokens) <= 6
@@ -156,18 +177,23 @@ def test_full_cache_protocols_agree(aware, agnostic):
 
 def test_generate_from_cache_matches_generate(tiny_model, aware):
     # The query-aware cell (length 384, depth 50) through `kvjax.generate.generate`.
-    p = build_niah_prompt(tiny_model.tokenizer, tiny_model.tokenizer.encode(HAYSTACK),
-                          length=384, depth=50)
+    p = build_niah_prompt(
+        tiny_model.tokenizer, tiny_model.tokenizer.encode(HAYSTACK), length=384, depth=50
+    )
     gen = GenerateConfig(max_new_tokens=6, stop_tokens=(EOS,), chunk_size=128)
-    ref = generate(tiny_model.config, tiny_model.params, [p.context + p.question],
-                   policy=make_policy("full"), gen=gen)
+    ref = generate(
+        tiny_model.config,
+        tiny_model.params,
+        [p.context + p.question],
+        policy=make_policy("full"),
+        gen=gen,
+    )
     n = int(ref.num_generated[0])
     assert np.asarray(ref.tokens)[0, :n].tolist() == aware.cells[1].answer_tokens
 
 
 def test_budgeted_policy(tiny_model):
-    r = _run(tiny_model, "query-agnostic", policy="window", budget=64, lengths=(384,),
-             depths=(50,))
+    r = _run(tiny_model, "query-agnostic", policy="window", budget=64, lengths=(384,), depths=(50,))
     assert r.budget == 64 and r.policy == "window"
     assert r.cells[0].live_kv_bytes == 64 * 2 * 2 * 16 * 2 * 4  # the window is full
 
@@ -180,9 +206,17 @@ def test_outputs_written(aware, tmp_path):
     assert read_niah_result(json_path) == aware  # JSON round trip
 
 
-@pytest.mark.parametrize("lengths,depths,match", [
-    ([1024], [101], "outside"), ([1024], [-1], "outside"), ([200], [50], "buffer"),
-    ([], [50], "at least one"), ([1024], [], "at least one"), ([1024, 1024], [0], "repeated")])
+@pytest.mark.parametrize(
+    "lengths,depths,match",
+    [
+        ([1024], [101], "outside"),
+        ([1024], [-1], "outside"),
+        ([200], [50], "buffer"),
+        ([], [50], "at least one"),
+        ([1024], [], "at least one"),
+        ([1024, 1024], [0], "repeated"),
+    ],
+)
 def test_bad_grid(lengths, depths, match):
     with pytest.raises(ValueError, match=match):
         check_niah_grid(lengths, depths)
@@ -196,13 +230,26 @@ def test_bad_run_input(tiny_model):
     with pytest.raises(ValueError, match="haystack has only"):
         _run(tiny_model, "query-aware", lengths=(1 << 16,))
     with pytest.raises(ValueError, match="buffer"):
-        run_niah(tiny_model, make_policy("full"), lengths=[512], depths=[0],
-                 protocol="query-aware", max_new_tokens=150, haystack=HAYSTACK)
+        run_niah(
+            tiny_model,
+            make_policy("full"),
+            lengths=[512],
+            depths=[0],
+            protocol="query-aware",
+            max_new_tokens=150,
+            haystack=HAYSTACK,
+        )
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--policy", "bogus"], "unknown policy"), (["--policy", "window"], "needs a budget"),
-    (["--depths", "120"], "outside"), (["--lengths", "150"], "buffer")])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--policy", "bogus"], "unknown policy"),
+        (["--policy", "window"], "needs a budget"),
+        (["--depths", "120"], "outside"),
+        (["--lengths", "150"], "buffer"),
+    ],
+)
 def test_cli_bad_input(argv, match, capsys):
     assert main(["niah", *argv]) == 2
     assert match in capsys.readouterr().err
@@ -210,6 +257,5 @@ def test_cli_bad_input(argv, match, capsys):
 
 @pytest.mark.slow
 def test_smollm_finds_needle_at_1k(smollm):
-    r = run_niah(smollm, make_policy("full"), lengths=[1024], depths=[50],
-                 protocol="query-aware")
+    r = run_niah(smollm, make_policy("full"), lengths=[1024], depths=[50], protocol="query-aware")
     assert r.cells[0].score == 1.0, r.cells[0].answer

@@ -19,9 +19,12 @@ def prompts_of(lengths, seed=0, vocab=128):
 
 
 @settings(max_examples=10)
-@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
-       chunk=st.integers(1, 9), extra=st.integers(0, 8), name=st.sampled_from(["window",
-                                                                               "streaming"]))
+@given(
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    chunk=st.integers(1, 9),
+    extra=st.integers(0, 8),
+    name=st.sampled_from(["window", "streaming"]),
+)
 def test_budget_at_least_length_equals_full(tiny_llama, lengths, chunk, extra, name):
     config, params = tiny_llama
     prompts = prompts_of(lengths)
@@ -86,16 +89,23 @@ def test_decode_compiles_once_per_configuration(tiny_llama):
 def test_stop_tokens_end_sequences(tiny_llama):
     config, params = tiny_llama
     prompts = prompts_of([4, 6], seed=2)
-    free = generate(config, params, prompts, policy=make_policy("full"),
-                    gen=GenerateConfig(max_new_tokens=10))
+    free = generate(
+        config, params, prompts, policy=make_policy("full"), gen=GenerateConfig(max_new_tokens=10)
+    )
     stop = int(free.tokens[0, 3])
-    out = generate(config, params, prompts, policy=make_policy("full"),
-                   gen=GenerateConfig(max_new_tokens=10, stop_tokens=(stop,), pad_id=127))
+    out = generate(
+        config,
+        params,
+        prompts,
+        policy=make_policy("full"),
+        gen=GenerateConfig(max_new_tokens=10, stop_tokens=(stop,), pad_id=127),
+    )
     first = int(np.argmax(np.asarray(free.tokens[0]) == stop))
     assert int(out.num_generated[0]) == first + 1
-    np.testing.assert_array_equal(np.asarray(out.tokens[0, : first + 1]),
-                                  np.asarray(free.tokens[0, : first + 1]))
-    assert np.all(np.asarray(out.tokens[0, first + 1:]) == 127)
+    np.testing.assert_array_equal(
+        np.asarray(out.tokens[0, : first + 1]), np.asarray(free.tokens[0, : first + 1])
+    )
+    assert np.all(np.asarray(out.tokens[0, first + 1 :]) == 127)
 
 
 def test_sampling_top_p_and_temperature():
@@ -113,10 +123,13 @@ def test_sampling_top_p_and_temperature():
     assert int(sample(logits, keys[0], Sampling())[0]) == 0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": -1.0}, "temperature must be >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ],
+)
 def test_bad_sampling(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Sampling(**kwargs)
@@ -135,8 +148,13 @@ def test_bad_generate_input_is_named(tiny_llama, tiny_gpt2):
     with pytest.raises(ValueError, match="prompts is empty"):
         generate(config, params, [], policy=full, gen=gen)
     with pytest.raises(ValueError, match="stop token 999"):
-        generate(config, params, [[1]], policy=full,
-                 gen=GenerateConfig(max_new_tokens=2, stop_tokens=(999,)))
+        generate(
+            config,
+            params,
+            [[1]],
+            policy=full,
+            gen=GenerateConfig(max_new_tokens=2, stop_tokens=(999,)),
+        )
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         GenerateConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="token ids must be in"):
@@ -159,9 +177,18 @@ def test_generate_from_cache_continues_exactly(tiny_llama):
     ref = generate(config, params, [ctx + question], policy=policy, gen=gen)
     cache = new_cache(config, policy, batch=1, max_len=64, dtype=jnp.float32)
     pad = lambda ids, m: jnp.asarray([ids + [0] * (-len(ids) % m)], jnp.int32)
-    cache, _ = prefill_cache(config, policy, gen, params, cache, pad(ctx, 4),
-                             jnp.asarray([len(ctx)], jnp.int32))
-    out, cache = generate_from_cache(config, policy, gen, params, cache, pad(question, 4),
-                                     jnp.asarray([len(question)], jnp.int32), jax.random.key(0))
+    cache, _ = prefill_cache(
+        config, policy, gen, params, cache, pad(ctx, 4), jnp.asarray([len(ctx)], jnp.int32)
+    )
+    out, cache = generate_from_cache(
+        config,
+        policy,
+        gen,
+        params,
+        cache,
+        pad(question, 4),
+        jnp.asarray([len(question)], jnp.int32),
+        jax.random.key(0),
+    )
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert int(cache.length[0]) == len(ctx) + len(question) + 7

@@ -16,10 +16,20 @@ from kvjax.weights import load_hf_dir
 def full_logits(config, params, ids: np.ndarray) -> np.ndarray:
     """Plain forward with an empty (1-slot) cache: every token attends to its own prefix."""
     b, s = ids.shape
-    spec = CacheSpec(batch=b, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                     capacities=(1,) * config.num_layers)
-    out = forward(config, params, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(s), (b, s)),
-                  jnp.ones((b, s), bool), init_cache(spec))
+    spec = CacheSpec(
+        batch=b,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        capacities=(1,) * config.num_layers,
+    )
+    out = forward(
+        config,
+        params,
+        jnp.asarray(ids),
+        jnp.broadcast_to(jnp.arange(s), (b, s)),
+        jnp.ones((b, s), bool),
+        init_cache(spec),
+    )
     return np.asarray(out.logits)
 
 
@@ -39,8 +49,12 @@ def test_tiny_models_through_every_cache_path_match(goldens, name):
     ids = g["input_ids"]
     logp = g["logits"] - np.log(np.exp(g["logits"].astype(np.float64)).sum(-1, keepdims=True))
     ref = -np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1)[..., 0]
-    for policy, chunk in [(make_policy("full"), 1), (make_policy("full"), 4),
-                          (make_policy("window", 16), 1), (make_policy("streaming", 16), 2)]:
+    for policy, chunk in [
+        (make_policy("full"), 1),
+        (make_policy("full"), 4),
+        (make_policy("window", 16), 1),
+        (make_policy("streaming", 16), 2),
+    ]:
         out = score_tokens(config, params, ids, policy=policy, chunk=chunk, segment=4)
         np.testing.assert_allclose(np.asarray(out.nll), ref, atol=1e-4, err_msg=policy.name)
 
@@ -50,8 +64,13 @@ def test_llama_tiny_greedy_matches_transformers_generate(goldens):
     g = np.load(goldens / "llama_tiny" / "golden.npz")
     prompts = [list(map(int, row[:8])) for row in g["input_ids"]]
     for chunk in (8, 3):
-        out = generate(config, params, prompts, policy=make_policy("full"),
-                       gen=GenerateConfig(max_new_tokens=12, chunk_size=chunk))
+        out = generate(
+            config,
+            params,
+            prompts,
+            policy=make_policy("full"),
+            gen=GenerateConfig(max_new_tokens=12, chunk_size=chunk),
+        )
         np.testing.assert_array_equal(np.asarray(out.tokens), g["greedy_ids"])
 
 
@@ -62,8 +81,11 @@ def test_smollm2_logits_match_transformers(smollm, goldens):
     assert np.abs(logits[60:] - g["logits_last"]).max() <= 2e-3
     np.testing.assert_array_equal(logits.argmax(-1), g["argmax"])
     logp = logits.astype(np.float64)
-    logp = logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logp = (
+        logp
+        - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logp.max(-1, keepdims=True)
+    )
     nll = -np.take_along_axis(logp[:-1], g["input_ids"][1:, None].astype(np.int64), -1)[:, 0]
     np.testing.assert_allclose(nll, g["nll"], atol=2e-4)
 
@@ -76,8 +98,9 @@ def test_smollm2_ppl_2048_matches_transformers(smollm, goldens):
     ref = json.loads((goldens / "smollm2_ppl.json").read_text())
     ids = essay_tokens(smollm, 2048)
     assert ids[:32].tolist() == ref["first_ids"]
-    out = score_tokens(smollm.config, smollm.params, ids, policy=make_policy("full"), chunk=256,
-                       segment=512)
+    out = score_tokens(
+        smollm.config, smollm.params, ids, policy=make_policy("full"), chunk=256, segment=512
+    )
     ppl = float(np.exp(np.asarray(out.nll, np.float64).mean()))
     assert abs(ppl - ref["ppl"]) < 0.02
     assert abs(ppl - 15.321) < 0.02
@@ -89,8 +112,13 @@ def test_smollm2_chat_greedy_matches_transformers(smollm, goldens):
     prompts = [tok.encode(tok.apply_chat_template(c["messages"])) for c in ref["cases"]]
     for p, c in zip(prompts, ref["cases"], strict=True):
         assert p == c["input_ids"]
-    out = generate(smollm.config, smollm.params, prompts, policy=make_policy("full"),
-                   gen=GenerateConfig(max_new_tokens=30, stop_tokens=tok.eos_ids))
+    out = generate(
+        smollm.config,
+        smollm.params,
+        prompts,
+        policy=make_policy("full"),
+        gen=GenerateConfig(max_new_tokens=30, stop_tokens=tok.eos_ids),
+    )
     for i, c in enumerate(ref["cases"]):
         n = int(out.num_generated[i])
         assert np.asarray(out.tokens[i, :n]).tolist() == c["new_ids"]

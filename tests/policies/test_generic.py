@@ -17,8 +17,9 @@ def test_budget_at_least_length_matches_full(tiny_llama, case):
     config, params = tiny_llama
     ids = np.random.default_rng(7).integers(0, 128, size=(2, 30))
     for chunk in (1, 4):
-        full = np.asarray(score_tokens(config, params, ids, policy=build("full", 0), chunk=chunk,
-                                       segment=8).nll)
+        full = np.asarray(
+            score_tokens(config, params, ids, policy=build("full", 0), chunk=chunk, segment=8).nll
+        )
         got = score_tokens(config, params, ids, policy=build(case, 64), chunk=chunk, segment=8)
         if case in EXACT:
             np.testing.assert_allclose(np.asarray(got.nll), full, rtol=1e-6, atol=1e-6)
@@ -31,11 +32,18 @@ def test_live_slots_never_exceed_budget_and_bytes_match_formula(tiny_llama, case
     config, params = tiny_llama
     budget = 16
     policy = build(case, budget)
-    out = generate(config, params, [list(range(1, 25)), list(range(3, 9))], policy=policy,
-                   gen=GenerateConfig(max_new_tokens=20, chunk_size=8))
+    out = generate(
+        config,
+        params,
+        [list(range(1, 25)), list(range(3, 9))],
+        policy=policy,
+        gen=GenerateConfig(max_new_tokens=20, chunk_size=8),
+    )
     slots = np.asarray(out.telemetry.live_slots)[..., :2]  # [N, B, L, tiers] (slots only)
-    caps = [policy.max_budget(i) if hasattr(policy, "max_budget") else budget
-            for i in range(config.num_layers)]
+    caps = [
+        policy.max_budget(i) if hasattr(policy, "max_budget") else budget
+        for i in range(config.num_layers)
+    ]
     per_head = slots.sum(-1) / config.num_kv_heads  # [N, B, L]
     assert np.all(np.asarray(out.telemetry.live_slots)[..., 2] == 0)  # no low-bit tier here
     assert np.all(per_head <= np.asarray(caps)[None, None, :])

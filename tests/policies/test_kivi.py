@@ -16,8 +16,9 @@ def test_pages_are_the_quantized_groups_and_never_change(chunks):
     r, g, bits, h, d = 8, 4, 2, 2, 8
     policy = make_policy("kivi", residual=r, group=g, bits=bits, value_group=4)
     n_total = sum(chunks)
-    spec = policy.cache_spec(batch=1, num_layers=1, num_kv_heads=h, head_dim=d,
-                             max_len=n_total, dtype=jnp.float32)
+    spec = policy.cache_spec(
+        batch=1, num_layers=1, num_kv_heads=h, head_dim=d, max_len=n_total, dtype=jnp.float32
+    )
     layer = init_cache(spec).layers[0]
     rng = np.random.default_rng(0)
     keys = rng.normal(size=(n_total, h, d)).astype(np.float32)
@@ -25,13 +26,13 @@ def test_pages_are_the_quantized_groups_and_never_change(chunks):
     start = 0
     seen = {}  # page -> its codes when first written (write-once)
     for t in chunks:
-        k = jnp.asarray(keys[start:start + t])[None]
-        v = jnp.asarray(vals[start:start + t])[None]
+        k = jnp.asarray(keys[start : start + t])[None]
+        v = jnp.asarray(vals[start : start + t])[None]
         pos = jnp.arange(start, start + t, dtype=jnp.int32)[None]
-        stats = AttnStats(slot_mass=jnp.zeros((1, h, r)), new_mass=jnp.zeros((1, h, t)),
-                          lse=jnp.zeros((1, t, h)))
-        layer = policy.write(layer, k, v, pos, jnp.ones((1, t), bool), stats, None,
-                             layer_index=0)
+        stats = AttnStats(
+            slot_mass=jnp.zeros((1, h, r)), new_mass=jnp.zeros((1, h, t)), lse=jnp.zeros((1, t, h))
+        )
+        layer = policy.write(layer, k, v, pos, jnp.ones((1, t), bool), stats, None, layer_index=0)
         start += t
         paged = (start // r) * r
         lb = layer.lowbit
@@ -42,11 +43,12 @@ def test_pages_are_the_quantized_groups_and_never_change(chunks):
             np.testing.assert_array_equal(np.asarray(lb.k[0, :, p]), np.asarray(pack(kc, bits)))
             np.testing.assert_array_equal(np.asarray(lb.v[0, :, p]), np.asarray(pack(vc, bits)))
             np.testing.assert_array_equal(np.asarray(lb.k_scale[0, :, p]), np.asarray(ks))
-            np.testing.assert_array_equal(np.asarray(lb.pos[0, 0, p]), np.arange(p * g,
-                                                                                 (p + 1) * g))
+            np.testing.assert_array_equal(
+                np.asarray(lb.pos[0, 0, p]), np.arange(p * g, (p + 1) * g)
+            )
             codes = np.asarray(lb.k[0, :, p])
             assert np.array_equal(seen.setdefault(p, codes), codes), "page rewritten"
-        assert not np.any(np.asarray(lb.pos[0, :, paged // g:]) >= 0)
+        assert not np.any(np.asarray(lb.pos[0, :, paged // g :]) >= 0)
         ring = np.asarray(layer.pos[0, 0])
         assert sorted(ring[ring >= 0].tolist()) == list(range(paged, start))
         for slot in np.nonzero(ring >= 0)[0]:

@@ -32,10 +32,14 @@ def feed(policy, chunks: list[int], batch_valid_last: bool = True):
     for t in chunks:
         pos = jnp.arange(start, start + t, dtype=jnp.int32)[None]
         kv = jnp.broadcast_to(pos[:, :, None, None].astype(jnp.float32), (1, t, h, d))
-        stats = AttnStats(slot_mass=jnp.zeros((1, h, cap)), new_mass=jnp.zeros((1, h, t)),
-                          lse=jnp.zeros((1, t, 4)))
-        layer = policy.write(layer, kv, -kv, pos, jnp.ones((1, t), bool), stats, None,
-                             layer_index=0)
+        stats = AttnStats(
+            slot_mass=jnp.zeros((1, h, cap)),
+            new_mass=jnp.zeros((1, h, t)),
+            lse=jnp.zeros((1, t, 4)),
+        )
+        layer = policy.write(
+            layer, kv, -kv, pos, jnp.ones((1, t), bool), stats, None, layer_index=0
+        )
         start += t
         live.append(int(layer.live_slots().max()))
     return layer, live
@@ -45,7 +49,8 @@ policies = st.one_of(
     st.just(FullPolicy()),
     st.integers(1, 12).map(lambda b: WindowPolicy(budget=b)),
     st.tuples(st.integers(0, 4), st.integers(1, 10)).map(
-        lambda sr: StreamingPolicy(budget=sr[0] + sr[1], sinks=sr[0])),
+        lambda sr: StreamingPolicy(budget=sr[0] + sr[1], sinks=sr[0])
+    ),
 )
 
 
@@ -70,14 +75,17 @@ def test_registry_knows_the_foundation_policies():
     assert {"full", "window", "streaming"} <= set(POLICIES)
 
 
-@pytest.mark.parametrize("name,budget,kwargs,match", [
-    ("nope", 8, {}, "unknown policy 'nope'"),
-    ("window", None, {}, "needs a budget"),
-    ("full", 8, {}, "takes no budget"),
-    ("window", 0, {}, "budget must be >= 1"),
-    ("streaming", 4, {}, r"budget \(4\) must be larger than sinks \(4\)"),
-    ("streaming", 6, {"sinks": -1}, "sinks must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "name,budget,kwargs,match",
+    [
+        ("nope", 8, {}, "unknown policy 'nope'"),
+        ("window", None, {}, "needs a budget"),
+        ("full", 8, {}, "takes no budget"),
+        ("window", 0, {}, "budget must be >= 1"),
+        ("streaming", 4, {}, r"budget \(4\) must be larger than sinks \(4\)"),
+        ("streaming", 6, {"sinks": -1}, "sinks must be >= 0"),
+    ],
+)
 def test_bad_policy_arguments_are_named(name, budget, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_policy(name, budget, **kwargs)

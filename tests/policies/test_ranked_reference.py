@@ -29,8 +29,11 @@ def np_init(policy, mass, pos, layer, head):
     if policy.name == "random":
         from kvjax.policies._random import hash_uniform
 
-        return float(hash_uniform(policy.seed, layer, jnp.full((1, H, 1), pos, jnp.int32),
-                                  (1, H, 1))[0, head, 0])
+        return float(
+            hash_uniform(policy.seed, layer, jnp.full((1, H, 1), pos, jnp.int32), (1, H, 1))[
+                0, head, 0
+            ]
+        )
     if policy.name == "confkv":
         return (1 - policy.ema_decay) * mass
     return mass
@@ -55,7 +58,7 @@ def simulate(policy, masses, budgets, layer=0):
             for p in toks:
                 toks[p] = np_update(policy, toks[p], m[h, p])
             toks[t] = np_init(policy, m[h, t], t, layer, h)
-            ring = sorted(toks)[-policy.ring:]
+            ring = sorted(toks)[-policy.ring :]
             ranked = [p for p in toks if p not in ring]
             ranked.sort(key=lambda p: -np_priority(policy, toks[p], p, t))
             for p in ranked[n_ranked:]:
@@ -66,21 +69,32 @@ def simulate(policy, masses, budgets, layer=0):
 
 
 def run_jit(policy, masses, states, *, merge: bool, layer=0):
-    spec = CacheSpec(batch=1, num_kv_heads=H, head_dim=D,
-                     capacities=(policy.capacities(1, 0)[0],),
-                     int8_capacities=None if policy.int8_capacities(1, 0) is None
-                     else (policy.int8_capacities(1, 0)[0],))
+    spec = CacheSpec(
+        batch=1,
+        num_kv_heads=H,
+        head_dim=D,
+        capacities=(policy.capacities(1, 0)[0],),
+        int8_capacities=None
+        if policy.int8_capacities(1, 0) is None
+        else (policy.int8_capacities(1, 0)[0],),
+    )
     lc = init_cache(spec).layers[0]
     kept = []
     codes_seen = {}  # (head, position) -> (k codes, k scale) when first quantized
     for t, (m, state) in enumerate(zip(masses, states, strict=True)):
+
         def mass_of(pos, m=m):  # [1, H, C] slot positions -> their random mass this step
             p = pos[0]
-            return jnp.where(p >= 0, jnp.asarray(m)[jnp.arange(H)[:, None], jnp.maximum(p, 0)],
-                             0.0)[None]
-        stats = AttnStats(slot_mass=mass_of(lc.pos), new_mass=jnp.asarray(m[:, t])[None, :, None],
-                          lse=jnp.zeros((1, 1, H)),
-                          int8_mass=None if lc.int8 is None else mass_of(lc.int8.pos))
+            return jnp.where(
+                p >= 0, jnp.asarray(m)[jnp.arange(H)[:, None], jnp.maximum(p, 0)], 0.0
+            )[None]
+
+        stats = AttnStats(
+            slot_mass=mass_of(lc.pos),
+            new_mass=jnp.asarray(m[:, t])[None, :, None],
+            lse=jnp.zeros((1, 1, H)),
+            int8_mass=None if lc.int8 is None else mass_of(lc.int8.pos),
+        )
         k = jnp.full((1, 1, H, D), float(t))
         pos = jnp.full((1, 1), t, jnp.int32)
         args = (lc, k, -k, pos, jnp.ones((1, 1), bool), stats, state)
@@ -97,8 +111,10 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
                     val = float(lc.int8.k[0, h, slot, 0]) * float(lc.int8.k_scale[0, h, slot])
                     assert abs(val - q[slot]) <= abs(q[slot]) / 254 + 1e-6
                     # Write-once: a token's codes and scale never change after quantization.
-                    now = (np.asarray(lc.int8.k[0, h, slot]).tobytes(),
-                           float(lc.int8.k_scale[0, h, slot]))
+                    now = (
+                        np.asarray(lc.int8.k[0, h, slot]).tobytes(),
+                        float(lc.int8.k_scale[0, h, slot]),
+                    )
                     assert codes_seen.setdefault((h, int(q[slot])), now) == now
             assert len(allp) == len(set(allp)), "a position is stored twice"
             for slot in np.nonzero(p >= 0)[0]:
@@ -148,22 +164,28 @@ def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
             assert set(range(max(0, t - policy.ring + 1), t + 1)) <= got[t][h]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"budget": 20, "protected": 32}, "must exceed the protected window"),
-    ({"budget": 100, "tau": 1.5}, r"tau must be in \[0, 1\]"),
-    ({"budget": 100, "ema_decay": 1.0}, r"ema_decay must be in \[0, 1\)"),
-    ({"budget": 100, "weights": (1, 2)}, "weights must be 3"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"budget": 20, "protected": 32}, "must exceed the protected window"),
+        ({"budget": 100, "tau": 1.5}, r"tau must be in \[0, 1\]"),
+        ({"budget": 100, "ema_decay": 1.0}, r"ema_decay must be in \[0, 1\)"),
+        ({"budget": 100, "weights": (1, 2)}, "weights must be 3"),
+    ],
+)
 def test_confkv_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ConfKVPolicy(**kwargs)
 
 
-@pytest.mark.parametrize("name,budget,match", [
-    ("h2o", 1, "budget must be >= 2"),
-    ("tova", 1, "must exceed the window"),
-    ("random", 20, "must exceed the window"),
-])
+@pytest.mark.parametrize(
+    "name,budget,match",
+    [
+        ("h2o", 1, "budget must be >= 2"),
+        ("tova", 1, "must exceed the window"),
+        ("random", 20, "must exceed the window"),
+    ],
+)
 def test_ranked_bad_budgets(name, budget, match):
     with pytest.raises(ValueError, match=match):
         make_policy(name, budget)

@@ -18,13 +18,14 @@ def test_one_chunk_prefill_keeps_window_plus_top_pooled_votes(seed, t):
     h = 2
     votes = rng.random((h, t)).astype(np.float32)  # mass of the observation queries per token
     layer = init_cache(CacheSpec(batch=1, num_kv_heads=h, head_dim=2, capacities=(10,))).layers[0]
-    stats = AttnStats(slot_mass=jnp.zeros((1, h, 10)), new_mass=jnp.asarray(votes)[None],
-                      lse=jnp.zeros((1, t, 2)))
+    stats = AttnStats(
+        slot_mass=jnp.zeros((1, h, 10)), new_mass=jnp.asarray(votes)[None], lse=jnp.zeros((1, t, 2))
+    )
     k = jnp.zeros((1, t, h, 2))
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     out = policy.merge(layer, k, k, pos, jnp.ones((1, t), bool), stats, None, 0)
     for head in range(h):
-        pooled = np.array([votes[head, max(0, i - 1): i + 2].max() for i in range(t)])
+        pooled = np.array([votes[head, max(0, i - 1) : i + 2].max() for i in range(t)])
         older = np.arange(t - 3)  # the last 3 are the window
         top = older[np.argsort(-pooled[: t - 3], kind="stable")[:7]]
         want = set(top.tolist()) | {t - 3, t - 2, t - 1}
