@@ -6,19 +6,13 @@ Installed as `kvjax.eval`; uses only kvjax's public API.
 from kvjax.eval._bench import DecodeBench, bench_decode
 from kvjax.eval._confkl import (
     ConfKLResult,
-    bootstrap_ci,
     check_confidence_kl_args,
-    confidence_kl_rows,
     held_out_essays,
     iter_ablation_logits,
-    kl_divergence,
-    pearson,
-    plot_confidence_kl,
-    rankdata,
     run_confidence_kl,
     sample_positions,
-    spearman,
 )
+from kvjax.eval._confkl_report import confidence_kl_rows, plot_confidence_kl
 from kvjax.eval._niah import (
     NiahCell,
     NiahResult,
@@ -43,6 +37,7 @@ from kvjax.eval._niah_prompt import (
     score_niah_answer,
 )
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
+from kvjax.eval._stats import bootstrap_ci, kl_divergence, pearson, rankdata, spearman
 from kvjax.eval._trace import plot_trace
 
 __all__ = [

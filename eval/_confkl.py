@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from kvjax.policies import confidence, make_policy
 from kvjax.weights import LoadedModel, essay_names, essay_text
 
 from ._ppl import essay_tokens
+from ._stats import bootstrap_ci, pearson, spearman
 
 Array = jax.Array
 
@@ -206,56 +207,6 @@ def _signals(full: Array, ablated: Array) -> Array:
     )
 
 
-def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    """KL(softmax(p) || softmax(q)) over the last axis, float64 (a NumPy reference)."""
-    logp = _log_softmax(np.asarray(p_logits, np.float64))
-    logq = _log_softmax(np.asarray(q_logits, np.float64))
-    return np.sum(np.exp(logp) * (logp - logq), axis=-1)
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def pearson(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation of two [n] samples (nan if either is constant)."""
-    x = np.asarray(x, np.float64) - np.mean(x)
-    y = np.asarray(y, np.float64) - np.mean(y)
-    denom = np.sqrt(np.sum(x * x) * np.sum(y * y))
-    return float(np.sum(x * y) / denom) if denom > 0 else float("nan")
-
-
-def rankdata(x: np.ndarray) -> np.ndarray:
-    """[n] float64 1-based ranks; ties share their average rank."""
-    _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
-    last = np.cumsum(counts)  # the highest rank in each group of ties
-    return (last - (counts - 1) / 2.0)[inverse]
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation: Pearson of the (tie-averaged) ranks."""
-    return pearson(rankdata(x), rankdata(y))
-
-
-def bootstrap_ci(
-    x: np.ndarray,
-    y: np.ndarray,
-    stat: Callable[[np.ndarray, np.ndarray], float] = pearson,
-    *,
-    resamples: int = 1000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of stat(x, y), resampling (x_i, y_i) pairs with replacement."""
-    x, y = np.asarray(x), np.asarray(y)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(resamples, len(x)))
-    stats = np.array([stat(x[i], y[i]) for i in idx])
-    lo, hi = np.nanquantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
-
-
 def held_out_essays(model: LoadedModel, n_essays: int, n_tokens: int) -> list[str]:
     """The last `n_essays` of essay_names() with at least `n_tokens` tokens (sorted order).
 
@@ -347,50 +298,3 @@ def run_confidence_kl(
         kl=kl.tolist(),
         values={k: v.tolist() for k, v in values.items()},
     )
-
-
-def confidence_kl_rows(res: ConfKLResult) -> list[dict[str, float | str]]:
-    """One table row per signal: Pearson r with its 95% CI, Spearman rho with its CI."""
-    return [
-        {
-            "signal": k,
-            "pearson_r": res.pearson[k],
-            "r_ci_lo": res.pearson_ci[k][0],
-            "r_ci_hi": res.pearson_ci[k][1],
-            "spearman_rho": res.spearman[k],
-            "rho_ci_lo": res.spearman_ci[k][0],
-            "rho_ci_hi": res.spearman_ci[k][1],
-        }
-        for k in SIGNALS
-    ]
-
-
-def plot_confidence_kl(res: ConfKLResult, path: str) -> None:
-    """PNG scatter of c vs KL per essay, with the least-squares line and r in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    c, kl = np.asarray(res.values["c"]), np.asarray(res.kl)
-    texts = np.asarray(res.sample_text)
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
-    for name in res.texts:
-        m = texts == name
-        ax.scatter(c[m], kl[m], s=10, alpha=0.6, label=name)
-    slope, intercept = np.polyfit(c, kl, 1)
-    xs = np.linspace(c.min(), c.max(), 2)
-    ax.plot(xs, slope * xs + intercept, "k-", lw=1.5, label="least squares")
-    lo, hi = res.pearson_ci["c"]
-    ax.set_title(
-        f"{res.model}: r = {res.pearson['c']:.3f} [{lo:.3f}, {hi:.3f}], "
-        f"ρ = {res.spearman['c']:.3f}, n = {res.n}, R = {res.ablate}\n"
-        f"(CONF-KV paper: r = -0.77)",
-        fontsize=9,
-    )
-    ax.set_xlabel("confidence c = 0.4(1-Ĥ) + 0.3σ(m) + 0.3p₁ (full context)")
-    ax.set_ylabel(f"KL(p_full ‖ p_ablated), last {res.ablate} tokens ablated (nats)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

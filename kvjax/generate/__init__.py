@@ -1,18 +1,11 @@
 """The generate loop and its building blocks."""
 
-from kvjax.generate._loop import (
-    GenerateConfig,
-    GenerateOutput,
-    Telemetry,
-    decode,
-    generate,
-    generate_from_cache,
-    prefill,
-    prefill_cache,
-)
+from kvjax.generate._loop import generate
 from kvjax.generate._sampling import GREEDY, Sampling, sample
 from kvjax.generate._score import ScoreOutput, score_tokens
 from kvjax.generate._step import model_step, new_cache
+from kvjax.generate._stream import decode, generate_from_cache, prefill, prefill_cache
+from kvjax.generate._types import GenerateConfig, GenerateOutput, Telemetry
 
 __all__ = [
     "GREEDY",
