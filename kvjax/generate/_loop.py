@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.cache import CacheSpec, init_cache
-from kvjax.generate._stream import decode, prefill
+from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
 from kvjax.generate._validate import check_lengths, check_tokens, pad_prompts
 from kvjax.models import ModelConfig, Params
@@ -83,19 +82,4 @@ def _generate(
     key: Array,
 ) -> GenerateOutput:
     cache = init_cache(spec, policy.init_state(tokens.shape[0]))
-    cache, logits = prefill(
-        config,
-        policy,
-        params,
-        cache,
-        tokens,
-        lengths,
-        chunk_size=gen.chunk_size,
-        implementation=gen.implementation,
-    )
-    return decode(config, policy, gen, params, cache, logits, key)[0]
-
-
-def prompt_array(prompts: Sequence[Sequence[int]]) -> np.ndarray:
-    """Right-padded [B, S] int32 array of prompts (pad 0), for inspection."""
-    return pad_prompts(prompts, 1, 0)
+    return prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]

@@ -154,8 +154,7 @@ def prefill_cache(
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def generate_from_cache(
+def prefill_and_decode(
     config: ModelConfig,
     policy: Policy,
     gen: GenerateConfig,
@@ -165,9 +164,8 @@ def generate_from_cache(
     lengths: Array,
     key: Array,
 ) -> tuple[GenerateOutput, Cache]:
-    """Continue from a filled cache (multi-turn chat, query-agnostic evaluation): prefill
-    `tokens` ([B, S] right-padded, S a multiple of gen.chunk_size) on top of it, then decode.
-    The cache is donated; the returned one replaces it."""
+    """`prefill` the right-padded `tokens` ([B, S], S a multiple of gen.chunk_size) on top of
+    whatever the cache holds, then `decode`."""
     cache, logits = prefill(
         config,
         policy,
@@ -179,3 +177,8 @@ def generate_from_cache(
         implementation=gen.implementation,
     )
     return decode(config, policy, gen, params, cache, logits, key)
+
+
+# Continue from a filled cache (multi-turn chat, query-agnostic evaluation). The cache is donated;
+# the returned one replaces it.
+generate_from_cache = jax.jit(prefill_and_decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
