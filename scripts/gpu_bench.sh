@@ -54,6 +54,9 @@ case "${1:-foundation}" in
           w=${job#compare-}
           run compare --model $M --windows "$w" --tokens 2048 --out-dir "$OUT/compare_w$w" \
             --json > /dev/null ;;
+        niah-4k)  # budgeted policies where the full cache still solves most depths
+          run niah --model $M --policy streaming h2o confkv --budget 1024 --lengths 4096 \
+            --depths 0 25 50 75 100 --protocol both --out-dir "$OUT/niah_b1024" --json > /dev/null ;;
         *) echo "unknown job $job" >&2; exit 2 ;;
       esac
     done ;;
