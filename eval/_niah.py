@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import Cache, CacheSpec, init_cache, live_bytes
+from kvjax.cache import Cache, CacheSpec, live_bytes
 from kvjax.generate import GenerateConfig, generate_from_cache, prefill_cache
 from kvjax.policies import Policy
 from kvjax.weights import LoadedModel
@@ -205,7 +205,7 @@ def _answer(
     protocol: NiahProtocol,
     bucket: int,
 ) -> tuple[list[int], Cache]:
-    cache = init_cache(spec, policy.init_state(1))
+    cache = policy.empty_cache(spec)
     key = jax.random.key(0)
     if protocol is NiahProtocol.QUERY_AWARE:
         res, cache = generate_from_cache(

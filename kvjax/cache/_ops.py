@@ -38,7 +38,7 @@ def write_slots(
     pos = jnp.broadcast_to(pos_new[:, :, None], (b, t, h)).astype(jnp.int32)
     if score_new is None:
         score_new = jnp.zeros((b, t, h), jnp.float32)
-    return LayerCache(
+    return layer.replace(
         k=layer.k.at[bi, hi, slots].set(k_new.astype(layer.k.dtype), mode="drop"),
         v=layer.v.at[bi, hi, slots].set(v_new.astype(layer.v.dtype), mode="drop"),
         pos=layer.pos.at[bi, hi, slots].set(pos, mode="drop"),

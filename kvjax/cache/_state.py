@@ -119,8 +119,10 @@ class LowBitTier:
         v: [B, Hkv, P, G, D·bits/8] uint8 packed value codes.
         k_scale, k_zero: [B, Hkv, P, D] float32 per page and channel.
         v_scale, v_zero: [B, Hkv, P, G, D / value_group] float32 per token and channel group.
-        pos: [B, Hkv, P, G] int32 original positions; EMPTY if free.
+        pos: [B, Hkv, P, G] int32 original positions; EMPTY where the page is not attended.
         score: [B, Hkv, P] float32 per-page policy score.
+        held: [B, Hkv, P] bool, the page holds codes (memory in use). A held page whose `pos`
+            are EMPTY is dormant: kept (e.g. QEvict's write-once ledger) but not attended.
         bits: code width (2, 4 or 8), static.
     """
 
@@ -132,6 +134,7 @@ class LowBitTier:
     v_zero: Array
     pos: Array
     score: Array
+    held: Array
     bits: int = struct.field(pytree_node=False, default=2)
 
     @property
@@ -139,8 +142,8 @@ class LowBitTier:
         return self.pos.shape[-1]
 
     def live_pages(self) -> Array:
-        """[B, Hkv] int32 pages holding at least one token."""
-        return jnp.sum(jnp.any(self.pos >= 0, axis=-1), axis=-1, dtype=jnp.int32)
+        """[B, Hkv] int32 pages in use (attended or dormant)."""
+        return jnp.sum(self.held, axis=-1, dtype=jnp.int32)
 
     def page_bytes(self) -> int:
         """K/V bytes of one page of one KV head: codes plus all their scales and zeros."""
@@ -161,6 +164,7 @@ class LayerCache:
         score: [B, Hkv, C] float32, the policy's per-slot score (its meaning is the policy's).
         int8: the INT8 tier, or None.
         lowbit: the paged low-bit tier, or None.
+        aux: per-layer state owned by the policy (a pytree, e.g. QEvict's ledger links), or None.
     """
 
     k: Array
@@ -169,6 +173,7 @@ class LayerCache:
     score: Array
     int8: Int8Tier | None = None
     lowbit: LowBitTier | None = None
+    aux: Any = None
 
     @property
     def capacity(self) -> int:
@@ -203,11 +208,25 @@ class Cache:
     policy_state: Any = None
 
 
-def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
-    """An empty cache: all slots EMPTY, all data zero."""
+def init_cache(
+    spec: CacheSpec, policy_state: Any = None, layer_aux: tuple[Any, ...] | None = None
+) -> Cache:
+    """An empty cache: all slots EMPTY, all data zero.
+
+    Args:
+        spec: the static shape.
+        policy_state: the policy-wide state (Cache.policy_state).
+        layer_aux: one policy-owned pytree per layer (LayerCache.aux), or None.
+    """
     b, h, d = spec.batch, spec.num_kv_heads, spec.head_dim
     q_caps = spec.int8_capacities or (None,) * spec.num_layers
     pages = spec.lowbit_pages or (None,) * spec.num_layers
+    if layer_aux is None:
+        layer_aux = (None,) * spec.num_layers
+    if len(layer_aux) != spec.num_layers:
+        raise ValueError(
+            f"layer_aux needs one entry per layer ({spec.num_layers}), got {len(layer_aux)}"
+        )
     layers = tuple(
         LayerCache(
             k=jnp.zeros((b, h, c, d), spec.dtype),
@@ -216,8 +235,9 @@ def init_cache(spec: CacheSpec, policy_state: Any = None) -> Cache:
             score=jnp.zeros((b, h, c), jnp.float32),
             int8=None if cq is None else _empty_int8(b, h, cq, d),
             lowbit=None if p is None else _empty_lowbit(spec, p),
+            aux=aux,
         )
-        for c, cq, p in zip(spec.capacities, q_caps, pages, strict=True)
+        for c, cq, p, aux in zip(spec.capacities, q_caps, pages, layer_aux, strict=True)
     )
     return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
 
@@ -253,5 +273,6 @@ def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier:
         v_zero=jnp.zeros((b, h, pages, g, ng), f32),
         pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
         score=jnp.zeros((b, h, pages), f32),
+        held=jnp.zeros((b, h, pages), bool),
         bits=spec.lowbit_bits,
     )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import CacheSpec, init_cache
+from kvjax.cache import CacheSpec
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
 from kvjax.generate._validate import check_lengths, check_tokens, pad_prompts
@@ -81,5 +81,5 @@ def _generate(
     lengths: Array,
     key: Array,
 ) -> GenerateOutput:
-    cache = init_cache(spec, policy.init_state(tokens.shape[0]))
+    cache = policy.empty_cache(spec)
     return prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache, init_cache
+from kvjax.cache import Cache
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
 
@@ -83,4 +83,4 @@ def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, 
         max_len=max_len,
         dtype=dtype,
     )
-    return init_cache(spec, policy.init_state(batch))
+    return policy.empty_cache(spec)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import AttnStats
-from kvjax.cache import CacheSpec, LayerCache, write_slots
+from kvjax.cache import Cache, CacheSpec, LayerCache, init_cache, write_slots
 
 Array = jax.Array
 
@@ -58,6 +58,15 @@ class Policy(abc.ABC):
             dtype=dtype,
             int8_capacities=self.int8_capacities(num_layers, max_len),
         )
+
+    def init_layer_aux(self, spec: CacheSpec) -> tuple[Any, ...] | None:
+        """Per-layer policy state (LayerCache.aux), one pytree per layer; None if not needed."""
+        del spec
+        return None
+
+    def empty_cache(self, spec: CacheSpec) -> Cache:
+        """An empty cache of `spec` with this policy's initial state."""
+        return init_cache(spec, self.init_state(spec.batch), self.init_layer_aux(spec))
 
     def init_state(self, batch: int) -> Any:
         """Policy-wide state carried in the cache (None if the policy needs none)."""

@@ -103,6 +103,7 @@ class KIVIPolicy(Policy):
                 v_scale=put(lb.v_scale, v_scale),
                 v_zero=put(lb.v_zero, v_zero),
                 pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))),
+                held=put(lb.held, jnp.ones((b, h, n_pages), bool)),
             )
             layer = layer.replace(lowbit=lb)
         # The residual becomes the stream's tail from f1 on.
