@@ -13,6 +13,30 @@ from kvjax.eval._confkl import (
     sample_positions,
 )
 from kvjax.eval._confkl_report import confidence_kl_rows, plot_confidence_kl
+from kvjax.eval._diagnostics import (
+    FmmStream,
+    LirCounts,
+    complete_windows,
+    future_missed_mass,
+    global_lir,
+    kept_windows,
+    ratio_mean,
+    selection_churn,
+    window_activity,
+    window_of_positions,
+    window_sums,
+)
+from kvjax.eval._diagnostics_pass import ShadowRecord, shadow_pass
+from kvjax.eval._diagnostics_report import (
+    DiagnosticsSettings,
+    PolicyDiagnostics,
+    check_diagnostics_args,
+    diagnostics_rows,
+    plot_diagnostics,
+    run_diagnostics,
+    summarize,
+    text_tokens,
+)
 from kvjax.eval._niah import (
     NiahCell,
     NiahResult,
@@ -77,4 +101,25 @@ __all__ = [
     "run_confidence_kl",
     "sample_positions",
     "spearman",
+    "DiagnosticsSettings",
+    "FmmStream",
+    "LirCounts",
+    "PolicyDiagnostics",
+    "ShadowRecord",
+    "check_diagnostics_args",
+    "complete_windows",
+    "diagnostics_rows",
+    "future_missed_mass",
+    "global_lir",
+    "kept_windows",
+    "plot_diagnostics",
+    "ratio_mean",
+    "run_diagnostics",
+    "selection_churn",
+    "shadow_pass",
+    "summarize",
+    "text_tokens",
+    "window_activity",
+    "window_of_positions",
+    "window_sums",
 ]
