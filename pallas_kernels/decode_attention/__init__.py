@@ -1,0 +1,40 @@
+"""Decode attention over kvjax's mixed-precision cache tiers (GQA, split-K, fused dequantization).
+
+`decode_attention` runs every tier through its kernel and combines them; the per-backend kernels
+(`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_tpu`,
+`decode_attention_lowbit_tpu`) and the plain-jnp `decode_attention_reference` are public too.
+"""
+
+from kvjax.pallas_kernels.decode_attention._api import (
+    BACKENDS,
+    Backend,
+    DecodeResult,
+    decode_attention,
+    default_backend,
+)
+from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
+from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, Partials
+from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
+from kvjax.pallas_kernels.decode_attention._triton_lowbit import decode_attention_lowbit_triton
+from kvjax.pallas_kernels.decode_attention._tuning import TUNINGS, Tuning, tuning_for
+
+__all__ = [
+    "BACKENDS",
+    "TUNINGS",
+    "Backend",
+    "DecodeResult",
+    "FullTier",
+    "Int8Tier",
+    "LowBitTier",
+    "Partials",
+    "Tuning",
+    "attention_mass",
+    "combine",
+    "decode_attention",
+    "decode_attention_lowbit_triton",
+    "decode_attention_reference",
+    "decode_attention_triton",
+    "default_backend",
+    "tuning_for",
+]

@@ -1,0 +1,83 @@
+"""`decode_attention`: every tier of a layer through its kernel, splits and tiers combined."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+
+from kvjax.pallas_kernels.decode_attention._combine import combine
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier
+
+Array = jax.Array
+Backend = Literal["triton", "tpu"]
+BACKENDS: tuple[str, ...] = ("triton", "tpu")
+
+
+class DecodeResult(NamedTuple):
+    """Attributes:
+    out: [B, Hkv, G, D] float32 attention over the tiers (0 where nothing was visible).
+    lse: [B, Hkv, G] float32 log-sum-exp of the visible scaled logits (-inf if none).
+    logits: per given tier (full, then int8, then lowbit) [B, Hkv, G, N] float32 scaled logits
+        of every slot (arbitrary where not visible), or () without return_logits.
+    """
+
+    out: Array
+    lse: Array
+    logits: tuple[Array, ...]
+
+
+def default_backend(platform: str | None = None) -> Backend | None:
+    """The kernel backend of a platform ("gpu" → triton, "tpu" → tpu), None elsewhere."""
+    platform = platform or jax.default_backend()
+    return {"gpu": "triton", "cuda": "triton", "tpu": "tpu"}.get(platform)
+
+
+def decode_attention(
+    q: Array,
+    q_pos: Array,
+    *,
+    full: FullTier,
+    int8: Int8Tier | None = None,
+    lowbit: LowBitTier | None = None,
+    bits: int = 2,
+    scale: float,
+    backend: Backend = "triton",
+    return_logits: bool = False,
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+) -> DecodeResult:
+    """One decode query per sequence attending a layer's full, INT8 and low-bit tiers.
+
+    Each tier runs its own kernel (split-K over its live blocks); the partials are combined with
+    a log-sum-exp. Args are as in `decode_attention_reference`, plus:
+
+    Args:
+        backend: "triton" (GPU) or "tpu" (Mosaic TPU).
+        return_logits: also return each tier's scaled logits (for the per-slot mass).
+        interpret: run the kernels in the Pallas interpreter (CPU).
+        block_k: slots per loop step of the full/INT8 kernels (default: tuned per device).
+        num_splits: splits per (sequence, KV head) (default: fill the chip).
+    """
+    if backend == "triton":
+        from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton as dense
+        from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
+            decode_attention_lowbit_triton as packed,
+        )
+    elif backend == "tpu":
+        from kvjax.pallas_kernels.decode_attention._tpu import decode_attention_tpu as dense
+        from kvjax.pallas_kernels.decode_attention._tpu_lowbit import (
+            decode_attention_lowbit_tpu as packed,
+        )
+    else:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    knobs = dict(scale=scale, return_logits=return_logits, interpret=interpret)
+    parts = [dense(q, full, q_pos, block_k=block_k, num_splits=num_splits, **knobs)]
+    if int8 is not None:
+        parts.append(dense(q, int8, q_pos, block_k=block_k, num_splits=num_splits, **knobs))
+    if lowbit is not None:
+        parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **knobs))
+    out, lse = combine(parts)
+    logits = tuple(p.logits for p in parts) if return_logits else ()
+    return DecodeResult(out, lse, logits)

@@ -1,0 +1,89 @@
+"""The arrays a decode-attention kernel reads: one tuple per storage tier, plus its partial results.
+
+Kernels know no cache class: these tuples name the arrays (and their shapes) that kvjax's cache
+holds per layer, so `kvjax.attention` can hand a layer's tiers over without the kernels importing
+kvjax. Axis letters: B batch, Hkv KV heads, G query heads per KV head, D head dim, C slots,
+P low-bit pages, Tp tokens per page, Dp = D·bits/8 packed bytes, NG value groups, S splits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+Array = jax.Array
+
+
+class FullTier(NamedTuple):
+    """Full-precision slots.
+
+    Attributes:
+        k: [B, Hkv, C, D] keys after RoPE (bfloat16, float16 or float32).
+        v: [B, Hkv, C, D] values, same dtype.
+        pos: [B, Hkv, C] int32 original positions; -1 marks an empty slot (anywhere).
+        extent: [B, Hkv] int32, one past the last occupied slot; nothing at or after it is read.
+    """
+
+    k: Array
+    v: Array
+    pos: Array
+    extent: Array
+
+
+class Int8Tier(NamedTuple):
+    """Symmetric INT8 slots with one float32 scale per token and KV head.
+
+    Attributes:
+        k: [B, Hkv, C, D] int8 key codes (key = k · k_scale).
+        v: [B, Hkv, C, D] int8 value codes.
+        k_scale: [B, Hkv, C] float32.
+        v_scale: [B, Hkv, C] float32.
+        pos: [B, Hkv, C] int32, -1 = empty.
+        extent: [B, Hkv] int32, one past the last occupied slot.
+    """
+
+    k: Array
+    v: Array
+    k_scale: Array
+    v_scale: Array
+    pos: Array
+    extent: Array
+
+
+class LowBitTier(NamedTuple):
+    """Pages of Tp tokens of packed 2/4/8-bit codes (kvjax.quant.pack layout), KIVI style.
+
+    Attributes:
+        k: [B, Hkv, P, Tp, Dp] uint8 packed key codes.
+        v: [B, Hkv, P, Tp, Dp] uint8 packed value codes.
+        k_scale, k_zero: [B, Hkv, P, D] float32, per page and channel (key = code·scale + zero).
+        v_scale, v_zero: [B, Hkv, P, Tp, NG] float32, per token and group of D/NG channels.
+        pos: [B, Hkv, P, Tp] int32, -1 = not attended (a held page can be dormant).
+        extent: [B, Hkv] int32, one past the last page with an attended token.
+    """
+
+    k: Array
+    v: Array
+    k_scale: Array
+    k_zero: Array
+    v_scale: Array
+    v_zero: Array
+    pos: Array
+    extent: Array
+
+
+class Partials(NamedTuple):
+    """What one tier's kernel returns: attention restricted to each split of that tier.
+
+    Attributes:
+        out: [B, Hkv, S, G, D] float32, softmax-weighted values of the split (0 if it saw nothing).
+        lse: [B, Hkv, S, G] float32 log-sum-exp of the split's scaled logits (-inf if nothing).
+        logits: [B, Hkv, G, C] float32 scaled logits of every slot the kernel read (only with
+            return_logits; slots past the extent or masked hold arbitrary values — mask by pos),
+            or None. For the low-bit tier C = P·Tp in page order.
+    """
+
+    out: Array
+    lse: Array
+    logits: Array | None

@@ -1,0 +1,239 @@
+"""Decode attention over the full-precision or the INT8 tier: Pallas lowered through Triton (GPU).
+
+One program per (sequence, KV head, split) attends all G query heads of that KV head (padded to
+16 rows for the tensor cores) over the split's share of the blocks before the live extent:
+blockwise online softmax, K/V read once, INT8 codes converted in registers with the per-token K
+scale applied to the logits and the V scale to the probabilities. Splits are combined outside
+(`combine`). Pallas' Triton lowering is deprecated since JAX 0.11 (docs/decisions.md says why it
+is still our first GPU backend).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
+from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
+from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
+
+Array = jax.Array
+_NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
+
+
+def dot_f32(a: Array, b: Array, *, trans_b: bool) -> Array:
+    """a [M, K] · b ([N, K] if trans_b else [K, N]) in float32 (no TF32 for float32 inputs).
+
+    Tensor-core dots need every dim >= 16; smaller (test-sized) shapes multiply and reduce.
+    """
+    n_dims = (*a.shape, b.shape[0] if trans_b else b.shape[1])
+    if min(n_dims) < 16:
+        af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
+        if trans_b:
+            return jnp.sum(af[:, None, :] * bf[None, :, :], axis=2)
+        return jnp.sum(af[:, :, None] * bf[None, :, :], axis=1)
+    tf32 = False if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=tf32)
+
+
+def store_rows(ref, x: Array, group: int, cols=slice(None), col_mask: Array | None = None) -> None:
+    """Stores the first `group` rows of x [Gp, N] into ref [G, ...] (padded rows never land)."""
+    rid = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    for g in range(group):
+        row = jnp.sum(jnp.where(rid == g, x, 0.0), axis=0, keepdims=True)  # [1, N]
+        mask = None if col_mask is None else col_mask[None, :]
+        plgpu.store(ref.at[pl.ds(g, 1), cols], row, mask=mask)
+
+
+def split_range(extent: Array, num_blocks_cap: int, block: int, num_splits: int):
+    """[first, last) loop steps of this program's split: the live blocks shared evenly."""
+    n_blocks = jnp.minimum(pl.cdiv(extent, block), num_blocks_cap)
+    per_split = pl.cdiv(n_blocks, num_splits)
+    first = pl.program_id(2) * per_split
+    return first, jnp.minimum(first + per_split, n_blocks)
+
+
+def finish(o: Array, m: Array, l: Array, o_ref, lse_ref, group: int) -> None:
+    """Normalizes the split's accumulators and stores out [G, D] and lse [Gp]."""
+    has = l > 0
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    store_rows(o_ref, o / jnp.where(has, l, 1.0)[:, None], group)
+
+
+def _kernel(
+    extent_ref,  # [] int32 one past the last occupied slot of this (sequence, KV head)
+    qpos_ref,  # [] int32 position of the query
+    q_ref,  # [Gp, D] queries of the KV head's group, rows >= G zero
+    k_ref,  # [C, D] keys (float or int8 codes)
+    v_ref,  # [C, D] values (float or int8 codes)
+    pos_ref,  # [C] int32, -1 = empty
+    *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [G, D], lse_ref [Gp], logits_ref [G, C]?
+    quantized: bool,
+    scale: float,
+    block_k: int,
+    num_splits: int,
+    group: int,
+    return_logits: bool,
+):
+    if quantized:
+        ks_ref, vs_ref, *refs = refs
+    o_ref, lse_ref, *logits_ref = refs
+    cap, d = k_ref.shape
+    gp = q_ref.shape[0]
+    qpos = qpos_ref[()]
+    cdt = q_ref.dtype if quantized else k_ref.dtype
+    q = q_ref[...].astype(cdt)
+    extent = jnp.minimum(extent_ref[()], cap)
+    first, last = split_range(extent, pl.cdiv(cap, block_k), block_k, num_splits)
+
+    def step(i, carry):
+        o, m, l = carry
+        start = pl.multiple_of(i * block_k, block_k)
+        rows = pl.ds(start, block_k)
+        inb = start + jnp.arange(block_k, dtype=jnp.int32) < extent  # never load past it
+        pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
+        k = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)
+        s = dot_f32(q, k.astype(cdt), trans_b=True)  # [Gp, bk]
+        if quantized:
+            s = s * (plgpu.load(ks_ref.at[rows], mask=inb, other=0.0) * scale)[None, :]
+        else:
+            s = s * scale
+        s = jnp.where(((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
+        if return_logits:
+            store_rows(logits_ref[0], s, group, rows, inb)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])  # [Gp, bk]
+        l = l * corr + jnp.sum(p, axis=1)
+        v = plgpu.load(v_ref.at[rows, :], mask=inb[:, None], other=0)
+        if quantized:
+            p = p * plgpu.load(vs_ref.at[rows], mask=inb, other=0.0)[None, :]
+        o = o * corr[:, None] + dot_f32(p.astype(cdt), v.astype(cdt), trans_b=False)
+        return o, m_new, l
+
+    init = (
+        jnp.zeros((gp, d), jnp.float32),
+        jnp.full((gp,), _NEG, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    o, m, l = lax.fori_loop(first, last, step, init)
+    finish(o, m, l, o_ref, lse_ref, group)
+
+
+def pad_group(q: Array) -> Array:
+    """[B, Hkv, G, D] → [B, Hkv, Gp, D] with Gp = max(16, next power of 2 of G), zero rows."""
+    g = q.shape[2]
+    gp = max(16, pl.next_power_of_2(g))
+    return jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+
+
+def head_spec(*block) -> pl.BlockSpec:
+    """A block of one (sequence, KV head): leading two axes squeezed, the rest whole."""
+    return pl.BlockSpec((None, None, *block), lambda b, h, s: (b, h) + (0,) * len(block))
+
+
+def split_out_shapes(q: Array, group: int, splits: int, slots: int, return_logits: bool):
+    """(out_shape, out_specs) of Partials for a grid (B, Hkv, S)."""
+    b, hkv, gp, d = q.shape
+    shapes = [
+        jax.ShapeDtypeStruct((b, hkv, splits, group, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
+    ]
+    specs = [
+        pl.BlockSpec((None, None, None, group, d), lambda i, j, s: (i, j, s, 0, 0)),
+        pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
+    ]
+    if return_logits:
+        shapes.append(jax.ShapeDtypeStruct((b, hkv, group, slots), jnp.float32))
+        specs.append(head_spec(group, slots))
+    return shapes, specs
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "block_k",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "return_logits",
+        "interpret",
+    ),
+)
+def decode_attention_triton(
+    q: Array,
+    tier: FullTier | Int8Tier,
+    q_pos: Array,
+    *,
+    scale: float,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_logits: bool = False,
+    interpret: bool = False,
+) -> Partials:
+    """One decode query per sequence attending one full-precision or INT8 tier.
+
+    Args:
+        q: [B, Hkv, G, D] queries (after RoPE) grouped by KV head, in the compute dtype.
+        tier: FullTier or Int8Tier of the layer.
+        q_pos: [B] int32 query positions (slots with pos > q_pos are masked).
+        scale: logit scale.
+        block_k: slots per loop step (power of 2); default from the device's Tuning.
+        num_splits: splits S per (sequence, KV head); default fills the chip.
+        num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
+        return_logits: also return every read slot's scaled logits (for the attention mass).
+        interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G], logits [B, Hkv, G, C] or None.
+    """
+    tune = tuning_for()
+    block_k = block_k or tune.block_k
+    b, hkv, group, _ = q.shape
+    cap = tier.pos.shape[-1]
+    splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
+    quantized = isinstance(tier, Int8Tier)
+    qp = pad_group(q)
+    out_shape, out_specs = split_out_shapes(qp, group, splits, cap, return_logits)
+    arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.pos]
+    specs = [
+        head_spec(),
+        pl.BlockSpec((None,), lambda i, j, s: (i,)),
+        head_spec(*qp.shape[2:]),
+        head_spec(*tier.k.shape[2:]),
+        head_spec(*tier.v.shape[2:]),
+        head_spec(cap),
+    ]
+    if quantized:
+        arrays += [tier.k_scale, tier.v_scale]
+        specs += [head_spec(cap), head_spec(cap)]
+    kernel = functools.partial(
+        _kernel,
+        quantized=quantized,
+        scale=scale,
+        block_k=block_k,
+        num_splits=splits,
+        group=group,
+        return_logits=return_logits,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, splits),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or tune.num_warps, num_stages=num_stages or tune.num_stages
+        ),
+        interpret=interpret,
+        name="kvjax_decode_int8" if quantized else "kvjax_decode_full",
+    )(*arrays)
+    return Partials(outs[0], outs[1][..., :group], outs[2] if return_logits else None)

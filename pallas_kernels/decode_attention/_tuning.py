@@ -1,0 +1,59 @@
+"""Tuned launch parameters, as data keyed by `jax.Device.device_kind`.
+
+Numbers for a device come from `kvjax bench kernel` sweeps on that device (docs/benchmarks.md);
+a device that is not listed gets DEFAULT. Split count is derived, not tuned per shape: enough
+splits that B·Hkv·S programs fill the chip (`target_programs`), never more than there are blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """Launch parameters of the decode kernels on one device kind.
+
+    Attributes:
+        block_k: slots per loop step of the full-precision and INT8 kernels (a power of 2 >= 16).
+        pages_per_step: low-bit pages per loop step.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth.
+        target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
+    """
+
+    block_k: int = 64
+    pages_per_step: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 512
+
+
+DEFAULT = Tuning()
+TUNINGS: dict[str, Tuning] = {
+    "NVIDIA H200": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
+    "NVIDIA H100 80GB HBM3": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
+    "cpu": Tuning(block_k=16, target_programs=4),  # interpret mode: few, small programs
+}
+
+
+def tuning_for(device_kind: str | None = None) -> Tuning:
+    """The tuning of `device_kind` (default: the first device's), else DEFAULT."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    return TUNINGS.get(device_kind, DEFAULT)
+
+
+def num_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: int) -> int:
+    """S: splits per (sequence, KV head) so that batch·kv_heads·S ≈ target_programs.
+
+    Args:
+        batch: B.
+        kv_heads: Hkv.
+        num_blocks: loop steps of a whole tier (static capacity / block).
+        target_programs: programs to aim for.
+    """
+    want = -(-target_programs // (batch * kv_heads))
+    return max(1, min(want, num_blocks))

@@ -1,0 +1,122 @@
+"""Decode kernels vs a float64 oracle over dtypes × tiers × GQA ratios × head dims.
+
+`TestDecodeAttention` compiles the kernels for the GPU (skipped elsewhere); the same class reruns
+in the Pallas interpreter on CPU (`TestDecodeAttentionInterpret`). Capacities (45, 38 slots) are
+not multiples of any block, slots have holes in the middle, heads have different extents, a page
+is dormant, and every test draws fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_cases import Case, make_tiers, oracle
+
+from kvjax.pallas_kernels.decode_attention import attention_mass, decode_attention
+
+TIERS = ("fp", "fp+int8", "fp+int2", "fp+int4", "fp+int8b")
+DTYPES = ("bfloat16", "float16", "float32")
+# Every tier × GQA ratio, with dtype and head dim rotating so each pair of them also appears.
+CASES = [
+    Case(dtype=DTYPES[i % 3], tiers=t, ratio=r, head_dim=(64, 128)[(i // 3) % 2])
+    for i, (t, r) in enumerate(itertools.product(TIERS, (1, 3, 4)))
+]
+# Relative L2 error of out (and absolute error of lse/logits/mass) allowed per dtype: float32
+# is exact arithmetic up to summation order; half dtypes round q, p (and q·scale) once.
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+class TestDecodeAttention:
+    INTERPRET = False
+    BACKEND = "triton"
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("compiled Triton kernels need a GPU; the Interpret class covers CPU")
+
+    def run(self, q, q_pos, full, int8, lowbit, bits, splits=3):
+        return decode_attention(
+            q,
+            q_pos,
+            full=full,
+            int8=int8,
+            lowbit=lowbit,
+            bits=bits or 2,
+            scale=q.shape[-1] ** -0.5,
+            backend=self.BACKEND,
+            return_logits=True,
+            interpret=self.INTERPRET,
+            block_k=16,
+            num_splits=splits,
+        )
+
+    @pytest.mark.parametrize(
+        "case", CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}-d{c.head_dim}"
+    )
+    def test_matches_float64(self, case):
+        q, q_pos, full, int8, lowbit = make_tiers(case, _seed(case, self.INTERPRET))
+        res = self.run(q, q_pos, full, int8, lowbit, case.bits)
+        out, lse, logits, seen = oracle(
+            q, q_pos, full, int8, lowbit, case.bits, q.shape[-1] ** -0.5
+        )
+        tol = TOL[case.dtype]
+        got = np.asarray(res.out, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
+        np.testing.assert_allclose(np.asarray(res.lse), lse, atol=10 * tol)
+        assert len(res.logits) == len(logits)
+        w = jnp.array([1.0, 0.5][: q.shape[0]], jnp.float32)
+        for got_s, want_s, vis in zip(res.logits, logits, seen, strict=True):
+            assert got_s.shape == want_s.shape
+            vis4 = np.broadcast_to(vis[:, :, None], want_s.shape)
+            np.testing.assert_allclose(
+                np.asarray(got_s)[vis4], want_s[vis4], atol=10 * tol, rtol=tol
+            )
+            mass = attention_mass(got_s, res.lse, jnp.asarray(vis), w)
+            want = np.exp(want_s - lse[..., None]).sum(2) * np.asarray(w)[:, None, None]
+            np.testing.assert_allclose(np.asarray(mass), want, atol=5 * tol)
+
+    @pytest.mark.parametrize("splits", [1, 2, 5])
+    def test_split_count_does_not_change_result(self, splits):
+        case = Case(dtype="float32", tiers="fp+int8", ratio=4, head_dim=64, cap=70)
+        q, q_pos, full, int8, _ = make_tiers(case, _seed(splits, self.INTERPRET))
+        res = self.run(q, q_pos, full, int8, None, None, splits=splits)
+        out, lse, _, _ = oracle(q, q_pos, full, int8, None, None, q.shape[-1] ** -0.5)
+        np.testing.assert_allclose(np.asarray(res.out), out, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(res.lse), lse, atol=1e-5)
+
+    def test_nothing_visible_gives_zero_and_minus_inf(self):
+        case = Case(dtype="bfloat16", tiers="fp+int4", ratio=3, head_dim=64)
+        q, q_pos, full, _, lowbit = make_tiers(case, _seed("empty", self.INTERPRET))
+        full = full._replace(pos=jnp.full_like(full.pos, -1))
+        lowbit = lowbit._replace(pos=jnp.full_like(lowbit.pos, -1))
+        res = self.run(q, q_pos, full, None, lowbit, 4)
+        assert np.all(np.asarray(res.out) == 0)
+        assert np.all(np.asarray(res.lse) == -np.inf)
+
+    def test_slots_after_the_query_and_past_the_extent_are_ignored(self):
+        case = Case(dtype="float32", tiers="fp", ratio=1, head_dim=64)
+        q, q_pos, full, _, _ = make_tiers(case, _seed("future", self.INTERPRET))
+        poisoned = full._replace(
+            k=full.k.at[:, :, -3:].set(jnp.nan),
+            v=full.v.at[:, :, -3:].set(jnp.nan),
+            extent=jnp.minimum(full.extent, full.k.shape[2] - 3),
+        )
+        later = full._replace(pos=jnp.where(full.pos >= 0, full.pos + 1000, -1))
+        res = self.run(q, q_pos, poisoned, None, None, None)
+        assert np.all(np.isfinite(np.asarray(res.out)))
+        assert np.all(np.asarray(self.run(q, q_pos, later, None, None, None).lse) == -np.inf)
+
+
+class TestDecodeAttentionInterpret(TestDecodeAttention):
+    INTERPRET = True
