@@ -28,12 +28,14 @@ class ForwardOutput:
     k_new: per layer [B, T, Hkv, D] keys after RoPE.
     v_new: per layer [B, T, Hkv, D] values.
     stats: per layer AttnStats.
+    q: per layer [B, T, Hq, D] queries after RoPE, only with `return_queries=True` (else None).
     """
 
     logits: Array
     k_new: tuple[Array, ...]
     v_new: tuple[Array, ...]
     stats: tuple[AttnStats, ...]
+    q: tuple[Array, ...] | None = None
 
 
 def forward(
@@ -46,6 +48,7 @@ def forward(
     *,
     query_weight: Array | None = None,
     implementation: Implementation = "xla",
+    return_queries: bool = False,
 ) -> ForwardOutput:
     """Run the model on T new tokens per sequence, attending over the cache plus themselves.
 
@@ -58,11 +61,12 @@ def forward(
         cache: the cache, holding only tokens before these.
         query_weight: [B, T] weight of each query in the attention mass (default: valid).
         implementation: attention implementation name.
+        return_queries: also return each layer's queries (the KVpop teacher needs them).
     """
     attn = dict(query_weight=query_weight, implementation=implementation)
-    if config.arch == Arch.GPT2:
-        return _gpt2(config, params, tokens, positions, valid, cache, attn)
-    return _llama(config, params, tokens, positions, valid, cache, attn)
+    run = _gpt2 if config.arch == Arch.GPT2 else _llama
+    out, qs = run(config, params, tokens, positions, valid, cache, attn)
+    return out.replace(q=tuple(qs)) if return_queries else out
 
 
 def _split_heads(x: Array, h: int, d: int) -> Array:
@@ -72,7 +76,7 @@ def _split_heads(x: Array, h: int, d: int) -> Array:
 def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
-    ks, vs, stats = [], [], []
+    ks, vs, stats, qs = [], [], [], []
     for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
         h = rms_norm(x, lp.attn_norm, config.norm_eps)
         q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, config.rope_theta)
@@ -86,19 +90,21 @@ def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache,
         gate = dense(h, lp.w_gate).astype(jnp.float32)
         up = dense(h, lp.w_up).astype(jnp.float32)
         x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
+        qs.append(q)
         ks.append(k)
         vs.append(v)
         stats.append(st)
     x = rms_norm(x, p.final_norm, config.norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
     logits = einsum_f32("bte,ev->btv", x, head)
-    return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
+    out = ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
+    return out, qs
 
 
 def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, attn):
     hq, d = config.num_heads, config.head_dim
     x = jnp.take(p.wte, tokens, axis=0) + jnp.take(p.wpe, positions, axis=0)
-    ks, vs, stats = [], [], []
+    ks, vs, stats, qs = [], [], [], []
     for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
         h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
         qkv = dense(h, lp.w_qkv, lp.b_qkv)
@@ -109,9 +115,11 @@ def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, a
         x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
         h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
         x = x + dense(gelu_tanh(dense(h, lp.w_fc, lp.b_fc)), lp.w_proj, lp.b_proj)
+        qs.append(q)
         ks.append(k)
         vs.append(v)
         stats.append(st)
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
     logits = einsum_f32("bte,ve->btv", x, p.wte)
-    return ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
+    out = ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
+    return out, qs

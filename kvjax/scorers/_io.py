@@ -1,0 +1,77 @@
+"""Scorer files: one msgpack file holding the config, free-form metadata and the parameters.
+
+The default scorer for the embedded SmolLM2-135M-Instruct ships inside the package
+(`DEFAULT_SCORER`), so the `kvpop` policy works without a training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import serialization
+
+from kvjax.scorers._modules import Params, ScorerConfig, init_scorer_params
+
+FORMAT = "kvjax-kvpop-scorer"
+VERSION = 1
+DEFAULT_SCORER = pathlib.Path(__file__).parent / "data" / "kvpop_smollm2_135m.msgpack"
+
+
+def save_scorer(
+    path: str | pathlib.Path,
+    config: ScorerConfig,
+    params: Params,
+    meta: dict[str, Any] | None = None,
+    *,
+    dtype: Any = np.float16,
+) -> None:
+    """Write a scorer file (parameters stored as `dtype`; float16 keeps shipped files small)."""
+    cfg = dataclasses.asdict(config) | {"kind": str(config.kind)}
+    blob = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": json.dumps(cfg),
+        "meta": json.dumps(meta or {}),
+        "params": jax.tree.map(lambda a: np.asarray(a, dtype), dict(params)),
+    }
+    pathlib.Path(path).write_bytes(serialization.msgpack_serialize(blob))
+
+
+def load_scorer(
+    path: str | pathlib.Path | None = None,
+) -> tuple[ScorerConfig, Params, dict[str, Any]]:
+    """Read a scorer file (default: the shipped one) → (config, float32 params, metadata).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a scorer file, a newer format, or parameters that do not fit the config.
+    """
+    path = pathlib.Path(path or DEFAULT_SCORER)
+    if not path.is_file():
+        raise FileNotFoundError(f"no scorer file at {path}")
+    try:
+        blob = serialization.msgpack_restore(path.read_bytes())
+        ok = isinstance(blob, dict) and blob.get("format") == FORMAT
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ValueError(f"{path} is not a readable kvpop scorer file ({e})") from None
+    if not ok:
+        raise ValueError(f"{path} is not a kvpop scorer file (format tag {FORMAT!r} missing)")
+    if blob["version"] != VERSION:
+        raise ValueError(f"{path}: scorer format version {blob['version']}, expected {VERSION}")
+    config = ScorerConfig(**json.loads(blob["config"]))
+    want = jax.eval_shape(lambda: init_scorer_params(config, jax.random.key(0)))
+    got = blob["params"]
+    want_shapes = {k: tuple(v.shape) for k, v in want.items()}
+    got_shapes = {k: tuple(np.shape(v)) for k, v in got.items()}
+    if want_shapes != got_shapes:
+        raise ValueError(
+            f"{path}: parameters {got_shapes} do not match its config {config} "
+            f"(expected {want_shapes})"
+        )
+    params = {k: np.asarray(v, np.float32) for k, v in got.items()}
+    return config, params, json.loads(blob["meta"])
