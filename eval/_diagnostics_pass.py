@@ -162,8 +162,11 @@ def shadow_pass(
         raise ValueError(f"prompt tokens must be in [1, {s - window}] for {s} tokens, got {p}")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     probe = _FullWithMass()
-    cache = new_cache(config, policy, batch=1, max_len=s, dtype=dtype)
-    shadow = new_cache(config, probe, batch=1, max_len=s, dtype=dtype)
+    # Fresh buffers per leaf: an empty cache may share one array between leaves, which
+    # donation (in-place updates) refuses.
+    fresh = lambda c: jax.tree.map(jnp.copy, c)
+    cache = fresh(new_cache(config, policy, batch=1, max_len=s, dtype=dtype))
+    shadow = fresh(new_cache(config, probe, batch=1, max_len=s, dtype=dtype))
     chunk = min(prefill_chunk, p)
     logits = None
     for start in range(0, p, chunk):
