@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvjax.cli import _bench, _compare, _confkl, _demo, _diagnostics, _generate, _niah, _ppl
+from kvjax.cli import (
+    _bench,
+    _compare,
+    _confkl,
+    _demo,
+    _diagnostics,
+    _generate,
+    _niah,
+    _ppl,
+    _train,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvjax", description="Bounded, compressed KV caches for jit-compiled decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (_demo, _generate, _ppl, _compare, _bench, _niah, _confkl, _diagnostics):
+    for mod in (_demo, _generate, _ppl, _compare, _bench, _niah, _confkl, _diagnostics, _train):
         mod.register(sub)
     return parser
 
