@@ -13,6 +13,7 @@ from kvjax.eval import (
     window_of_positions,
 )
 from kvjax.generate import GenerateConfig, generate
+from kvjax.policies import POLICIES, make_policy
 from tests.policy_cases import build
 
 S, P, W, H = 48, 13, 4, 6  # P not a multiple of ω: events at 12 + 4k
@@ -65,9 +66,11 @@ def test_window_fmm_equals_direct_computation(tiny_llama):
     )
     np.testing.assert_allclose(rec.fmm, direct, rtol=1e-6, equal_nan=True)
     assert np.nanmin(rec.fmm) > 0  # random attention always reaches past a 10-token window
-    # Churn: each event drops the windows that slid out; by hand from the held sets.
+    # Churn: at t=16 the window holds 7..16, complete windows {1, 2, 3} (16 starts window 4);
+    # at t=20 it holds 11..20 -> {2, 3, 4}, of which {2, 3} were complete at t=16: 1 - 2/3.
+    # Every later pair slides the same way.
     churn = selection_churn(rec.held, complete_windows(rec.event_pos, W))
-    assert churn.shape == (2, 2, len(rec.event_pos) - 1) and np.all(churn > 0)
+    np.testing.assert_allclose(churn, np.full((2, 2, len(rec.event_pos) - 1), 1 / 3))
 
 
 @pytest.mark.parametrize("case", ["confkv-int8", "kivi", "h2o"])
@@ -105,3 +108,13 @@ def test_decode_compiles_once_and_generate_feeds_greedy_tokens(tiny_llama):
         gen=GenerateConfig(max_new_tokens=S - P, chunk_size=5),
     )
     np.testing.assert_array_equal(gen.tokens[P:], np.asarray(ref.tokens)[0])
+
+
+@pytest.mark.skipif("qevict" not in POLICIES, reason="qevict is not registered")
+def test_qevict_int2_windows_count_as_held(tiny_llama):
+    rec = _run(tiny_llama, make_policy("qevict", 24, window=W, band=8))
+    assert np.all(rec.held_fp <= rec.held)
+    assert np.any(rec.held & ~rec.held_fp)  # windows only in the INT2 tier are still held
+    attn = np.moveaxis(rec.attention, 0, 2)
+    direct = future_missed_mass(attn, rec.cached, rec.event_pos, horizon=H)
+    np.testing.assert_allclose(rec.fmm, direct, rtol=1e-6, equal_nan=True)
