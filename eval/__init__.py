@@ -4,6 +4,7 @@ Installed as `kvjax.eval`; uses only kvjax's public API.
 """
 
 from kvjax.eval._bench import DecodeBench, bench_decode
+from kvjax.eval._bench_kernel import KernelBench, bench_kernel
 from kvjax.eval._confkl import (
     ConfKLResult,
     check_confidence_kl_args,
@@ -69,6 +70,7 @@ __all__ = [
     "QUESTION",
     "SCORING_RULE",
     "DecodeBench",
+    "KernelBench",
     "NiahCell",
     "NiahPrompt",
     "NiahProtocol",
@@ -76,6 +78,7 @@ __all__ = [
     "NiahTemplate",
     "PplResult",
     "bench_decode",
+    "bench_kernel",
     "build_niah_prompt",
     "check_niah_grid",
     "essay_tokens",

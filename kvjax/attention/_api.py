@@ -12,8 +12,16 @@ from kvjax.attention._xla import attend_xla
 from kvjax.cache import LayerCache
 
 Array = jax.Array
-Implementation = Literal["xla"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla",)
+Implementation = Literal["xla", "pallas", "auto"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas", "auto")
+
+
+def resolve_implementation(implementation: str, platform: str | None = None) -> str:
+    """ "auto" → "pallas" on GPU/TPU and "xla" elsewhere; other names unchanged."""
+    if implementation != "auto":
+        return implementation
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("gpu", "cuda", "tpu") else "xla"
 
 
 def attend(
@@ -40,7 +48,9 @@ def attend(
         query_weight: [B, T] weight of each query in the returned attention mass; defaults to
             `new_valid` (every real query counts once).
         scale: logit scale; default 1/sqrt(D).
-        implementation: "xla" (plain jnp reference). Pallas kernels are added by name here.
+        implementation: "xla" (plain jnp reference, always available), "pallas" (the
+            Pallas decode kernels for T == 1 — Triton on GPU, Mosaic on TPU, the interpreter
+            on CPU — and the XLA path for T > 1), or "auto" (pallas on GPU/TPU, else xla).
 
     Returns:
         (out [B, T, Hq, D], AttnStats).
@@ -57,7 +67,12 @@ def attend(
         query_weight = new_valid.astype(jnp.float32)
     if scale is None:
         scale = d**-0.5
-    if implementation == "xla":
+    implementation = resolve_implementation(implementation)
+    if implementation == "pallas" and t == 1:
+        from kvjax.attention._pallas import attend_pallas
+
+        return attend_pallas(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
+    if implementation in ("xla", "pallas"):
         return attend_xla(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
     raise ValueError(
         f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"

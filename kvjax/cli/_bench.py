@@ -1,4 +1,5 @@
-"""`kvjax bench decode`: decode tokens/s per policy and context length."""
+"""`kvjax bench decode` (decode tokens/s per policy and context) and `kvjax bench kernel`
+(decode-attention kernels vs cuDNN/XLA in µs and TB/s)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 
 import jax
 
+from kvjax.attention import IMPLEMENTATIONS
 from kvjax.cli._common import DTYPES, add_policy_args, build_policy, emit
 from kvjax.models import PRESETS, init_params
 from kvjax.policies import BUDGETLESS
@@ -27,9 +29,62 @@ def register(sub) -> None:
     d.add_argument("--steps", type=int, default=32, help="timed decode steps")
     d.add_argument("--fill-chunk", type=int, default=512)
     d.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth probe")
+    d.add_argument(
+        "--attention",
+        default="xla",
+        choices=["auto", *IMPLEMENTATIONS],
+        help="attention implementation (auto: Pallas on GPU/TPU, XLA on CPU)",
+    )
     d.add_argument("--json", action="store_true")
     d.add_argument("--out", default=None, help="also write JSON here")
     d.set_defaults(func=run_decode)
+    _register_kernel(bsub)
+
+
+def _register_kernel(bsub) -> None:
+    from kvjax.eval._bench_kernel import ROWS
+
+    k = bsub.add_parser("kernel", help="decode-attention kernels vs cuDNN / XLA (µs, TB/s)")
+    k.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    k.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536])
+    k.add_argument("--q-heads", type=int, default=32)
+    k.add_argument("--kv-heads", type=int, default=8)
+    k.add_argument("--head-dim", type=int, default=128)
+    k.add_argument("--page", type=int, default=32, help="tokens per low-bit page")
+    k.add_argument("--value-group", type=int, default=32, help="channels per value scale")
+    k.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    k.add_argument("--iters", type=int, default=20, help="calls per timed loop")
+    k.add_argument("--repeats", type=int, default=5, help="timed loops (median)")
+    k.add_argument("--json", action="store_true")
+    k.add_argument("--out", default=None, help="also write JSON here")
+    k.set_defaults(func=run_kernel)
+
+
+def run_kernel(args: argparse.Namespace) -> int:
+    from kvjax.eval import bench_kernel
+
+    rows = []
+    for b in args.batch:
+        for ctx in args.contexts:
+            res = bench_kernel(
+                batch=b,
+                context=ctx,
+                q_heads=args.q_heads,
+                kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                page=args.page,
+                value_group=args.value_group,
+                rows=tuple(args.rows),
+                iters=args.iters,
+                repeats=args.repeats,
+            )
+            for r in res:
+                rows.append(dataclasses.asdict(r))
+                if not args.json:
+                    t = f"{r.us:9.1f} us {r.tbps:6.2f} TB/s" if r.error is None else r.error
+                    print(f"B={b} S={ctx:>6} {r.row:>20}: {t}", flush=True)
+    emit(rows, as_json=args.json, title="decode-attention kernel benchmark", out=args.out)
+    return 0
 
 
 def run_decode(args: argparse.Namespace) -> int:
@@ -63,6 +118,7 @@ def run_decode(args: argparse.Namespace) -> int:
                 budget=None if name in BUDGETLESS else args.budget,
                 fill_chunk=min(args.fill_chunk, ctx),
                 copy_bytes=args.copy_mib << 20,
+                implementation=args.attention,
             )
             rows.append(dataclasses.asdict(r))
             if not args.json:

@@ -1,0 +1,173 @@
+"""Decode-attention kernel benchmark: ours at BF16/INT8/INT4/INT2 vs cuDNN, XLA and XLA
+dequantize-then-attend, on the same shapes, in µs and achieved TB/s of the bytes each reads.
+
+Every row is timed the same way: `iters` attention calls inside one jitted `fori_loop` (each
+call's query depends on the previous output, so none is hoisted), median of `repeats` runs.
+Bytes read are the arrays each implementation must read once: K/V (codes), their scales and
+zeros, and (ours) the per-slot positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.pallas_kernels import decode_attention as da
+from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_token
+
+ROWS = (
+    "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
+    "pallas-bf16", "pallas-bf16+logits", "pallas-int8", "pallas-int4", "pallas-int2",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelBench:
+    """One timed row (JSON-ready via dataclasses.asdict); `error` set when it could not run."""
+
+    row: str
+    batch: int
+    context: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    device: str
+    us: float | None = None
+    bytes_read: int = 0
+    tbps: float | None = None
+    error: str | None = None
+
+
+def _nbytes(*xs) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in xs))
+
+
+def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> float:
+    """Median seconds per call of fn(q) -> out [B, Hq, D]."""
+
+    @jax.jit
+    def loop(q):
+        def body(_, q):
+            out = fn(q).astype(q.dtype)
+            return q + out * jnp.asarray(1e-3, q.dtype)
+
+        return jax.lax.fori_loop(0, iters, body, q)
+
+    jax.block_until_ready(loop(q))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(q))
+        times.append((time.perf_counter() - t) / iters)
+    return float(np.median(times))
+
+
+def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: int, key):
+    """name -> (fn(q [B, Hq, D]) -> [B, Hq, D], bytes read) for every row."""
+    g = hq // hkv
+    scale = d**-0.5
+    ks = jax.random.split(key, 3)
+    k = jax.random.normal(ks[0], (b, hkv, s, d), jnp.bfloat16)
+    v = jax.random.normal(ks[1], (b, hkv, s, d), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, hkv, s))
+    extent = jnp.full((b, hkv), s, jnp.int32)
+    q_pos = jnp.full((b,), s, jnp.int32)
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, S, Hkv, D] for jax.nn
+    k8, k8s = quantize_int8(k)
+    v8, v8s = quantize_int8(v)
+    grouped = lambda q: q.reshape(b, hkv, g, d)
+    out = lambda o: o.reshape(b, hq, d)
+
+    def nn_attn(impl, kk, vv):
+        return lambda q: jax.nn.dot_product_attention(
+            q[:, None], kk, vv, scale=scale, implementation=impl
+        )[:, 0]
+
+    def dequant_then_attend(q):
+        kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
+        vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
+        return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
+
+    def ours(tier, logits=False, bits=None):
+        def fn(q):
+            if bits is None:
+                p = da.decode_attention_triton(
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits
+                )
+            else:
+                p = da.decode_attention_lowbit_triton(
+                    grouped(q), tier, q_pos, bits=bits, scale=scale
+                )
+            return out(da.combine([p])[0])
+
+        return fn
+
+    full = da.FullTier(k, v, pos, extent)
+    int8 = da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
+    cases = {
+        "cudnn-bf16": (nn_attn("cudnn", kt, vt), _nbytes(k, v)),
+        "xla-bf16": (nn_attn("xla", kt, vt), _nbytes(k, v)),
+        "xla-dequant-int8": (dequant_then_attend, _nbytes(k8, v8, k8s, v8s)),
+        "pallas-bf16": (ours(full), _nbytes(k, v, pos)),
+        "pallas-bf16+logits": (ours(full, logits=True), _nbytes(k, v, pos)),
+        "pallas-int8": (ours(int8), _nbytes(k8, v8, k8s, v8s, pos)),
+    }
+    pages = s // page
+    paged = lambda x: x.reshape(b, hkv, pages, page, d).astype(jnp.float32)
+    for bits in (4, 2):
+        kc, kscale, kzero = quantize_per_channel(paged(k), bits)
+        vc, vscale, vzero = quantize_per_token(paged(v), bits, value_group)
+        lpos = pos.reshape(b, hkv, pages, page)
+        arrays = (pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero, lpos)
+        tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
+        cases[f"pallas-int{bits}"] = (ours(tier, bits=bits), _nbytes(*arrays))
+    return cases
+
+
+def bench_kernel(
+    *,
+    batch: int,
+    context: int,
+    q_heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    page: int = 32,
+    value_group: int = 32,
+    rows: tuple[str, ...] = ROWS,
+    iters: int = 20,
+    repeats: int = 5,
+) -> list[KernelBench]:
+    """Time every requested row on one shape; a row that fails records its error and goes on."""
+    dev = jax.devices()[0].device_kind
+    shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
+    shape.update(head_dim=head_dim, device=dev)
+    cases = _cases(
+        batch, context, q_heads, kv_heads, head_dim, page, value_group, jax.random.key(0)
+    )
+    q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)
+    results = []
+    for name in rows:
+        fn, nbytes = cases[name]
+        try:
+            sec = _timed(fn, q, iters, repeats)
+        except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
+            results.append(
+                KernelBench(
+                    row=name,
+                    bytes_read=nbytes,
+                    error=f"{type(e).__name__}: {str(e)[:200]}",
+                    **shape,
+                )
+            )
+            continue
+        results.append(
+            KernelBench(
+                row=name, us=sec * 1e6, bytes_read=nbytes, tbps=nbytes / sec / 1e12, **shape
+            )
+        )
+    return results

@@ -1,0 +1,122 @@
+"""Adapter from a layer's cache to the Pallas decode kernels (`implementation="pallas"`).
+
+The kernels attend over the cache tiers only and return (out, lse, per-tier scaled logits); the
+step's own token, which is not in the cache yet, is merged here with a log-sum-exp combine, and
+the per-slot attention mass the policies consume is computed from the logits and the final lse
+(a few % of the KV bytes, no second pass over K/V). Decode only: one query per sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax._numerics import einsum_f32
+from kvjax.attention._types import AttnStats
+from kvjax.cache import LayerCache
+from kvjax.pallas_kernels.decode_attention import (
+    FullTier,
+    Int8Tier,
+    LowBitTier,
+    attention_mass,
+    decode_attention,
+    default_backend,
+)
+
+Array = jax.Array
+
+
+def _extent(occupied: Array) -> Array:
+    """[B, Hkv, N] bool → [B, Hkv] int32 one past the last True."""
+    idx = jnp.arange(1, occupied.shape[-1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(occupied, idx, 0), axis=-1)
+
+
+def _visible(pos: Array, q_pos: Array) -> Array:
+    """pos [B, Hkv, N], q_pos [B] → [B, Hkv, N] bool."""
+    return (pos >= 0) & (pos <= q_pos[:, None, None])
+
+
+def attend_pallas(
+    q: Array,
+    layer: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    q_pos: Array,
+    new_valid: Array,
+    query_weight: Array,
+    *,
+    scale: float,
+) -> tuple[Array, AttnStats]:
+    """`attend_xla`'s contract for T == 1, through the Pallas kernels.
+
+    Args:
+        q: [B, 1, Hq, D] queries after RoPE.
+        layer: the layer's cache.
+        k_new, v_new: [B, 1, Hkv, D] this step's key and value.
+        q_pos: [B, 1] int32 query positions.
+        new_valid: [B, 1] bool.
+        query_weight: [B, 1] float32 weight of the query in the mass.
+        scale: logit scale.
+
+    Returns:
+        out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
+    """
+    b, t, hq, d = q.shape
+    if t != 1:
+        raise ValueError(f"attend_pallas is decode-only (T == 1), got T={t}")
+    hkv = layer.k.shape[1]
+    qg = q[:, 0].reshape(b, hkv, hq // hkv, d)
+    qp = q_pos[:, 0]
+    backend = default_backend()
+    full = FullTier(layer.k, layer.v, layer.pos, layer.live_extent())
+    int8 = lowbit = None
+    if layer.int8 is not None:
+        t8 = layer.int8
+        int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, _extent(t8.pos >= 0))
+    if layer.lowbit is not None:
+        lb = layer.lowbit
+        extent = _extent(jnp.any(lb.pos >= 0, axis=-1))
+        lowbit = LowBitTier(
+            lb.k, lb.v, lb.k_scale, lb.k_zero, lb.v_scale, lb.v_zero, lb.pos, extent
+        )
+    res = decode_attention(
+        qg,
+        qp,
+        full=full,
+        int8=int8,
+        lowbit=lowbit,
+        bits=layer.lowbit.bits if lowbit is not None else 2,
+        scale=scale,
+        backend=backend or "triton",
+        return_logits=True,
+        interpret=backend is None,  # CPU: the Pallas interpreter (tests)
+    )
+    # The step's own token joins with a log-sum-exp combine.
+    s_new = einsum_f32("bhgd,bhd->bhg", qg, k_new[:, 0]) * scale  # [B, Hkv, G]
+    s_new = jnp.where(new_valid[:, :1, None], s_new, -jnp.inf)
+    lse = jnp.logaddexp(res.lse, s_new)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_cache = jnp.exp(res.lse - safe)[..., None]
+    w_new = jnp.exp(s_new - safe)  # [B, Hkv, G]
+    v1 = v_new[:, 0].astype(jnp.float32)[:, :, None, :]  # [B, Hkv, 1, D]
+    out = w_cache * res.out + w_new[..., None] * v1
+    w = query_weight[:, 0].astype(jnp.float32)
+    masses = [
+        attention_mass(logits, lse, _visible(pos.reshape(b, hkv, -1), qp), w)
+        for logits, pos in zip(
+            res.logits,
+            [layer.pos]
+            + ([layer.int8.pos] if int8 is not None else [])
+            + ([layer.lowbit.pos] if lowbit is not None else []),
+            strict=True,
+        )
+    ]
+    stats = AttnStats(
+        slot_mass=masses[0],
+        new_mass=(jnp.sum(w_new, axis=2) * w[:, None])[..., None],
+        lse=lse.reshape(b, 1, hq),
+        int8_mass=masses[1] if int8 is not None else None,
+        lowbit_mass=masses[-1].reshape(layer.lowbit.pos.shape) if lowbit is not None else None,
+    )
+    return out.reshape(b, 1, hq, d).astype(q.dtype), stats
