@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [build_policy(n, args, model.config.num_layers) for n in args.policy]
     budget = None if all(n in BUDGETLESS for n in args.policy) else args.budget
     config = DiagnosticsSettings(
-        model=model.source,
+        model=model.config.name,
         text=args.text,
         tokens=args.tokens,
         prompt_tokens=args.prompt_tokens,
