@@ -10,6 +10,7 @@ zeros, and (ours) the per-slot positions.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ class KernelBench:
     """One timed row (JSON-ready via dataclasses.asdict); `error` set when it could not run."""
 
     row: str
+    knobs: str
     batch: int
     context: int
     q_heads: int
@@ -68,7 +70,7 @@ def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> float:
 
 
 def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: int, key):
-    """name -> (fn(q [B, Hq, D]) -> [B, Hq, D], bytes read) for every row."""
+    """name -> (fn(q [B, Hq, D], knobs) -> [B, Hq, D], bytes read) for every row."""
     g = hq // hkv
     scale = d**-0.5
     ks = jax.random.split(key, 3)
@@ -84,17 +86,18 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     out = lambda o: o.reshape(b, hq, d)
 
     def nn_attn(impl, kk, vv):
-        return lambda q: jax.nn.dot_product_attention(
+        return lambda q, knobs=None: jax.nn.dot_product_attention(
             q[:, None], kk, vv, scale=scale, implementation=impl
         )[:, 0]
 
-    def dequant_then_attend(q):
+    def dequant_then_attend(q, knobs=None):
         kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
         vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
         return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
 
     def ours(tier, logits=False, bits=None):
-        def fn(q):
+        def fn(q, knobs):
+            knobs = knobs or {}
             if bits is None:
                 p = da.decode_attention_triton(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits
@@ -141,33 +144,29 @@ def bench_kernel(
     rows: tuple[str, ...] = ROWS,
     iters: int = 20,
     repeats: int = 5,
+    sweep: tuple[dict, ...] = (),
 ) -> list[KernelBench]:
-    """Time every requested row on one shape; a row that fails records its error and goes on."""
+    """Time every requested row on one shape; a row that fails records its error and goes on.
+
+    Then our rows again for every knob setting in `sweep` (dicts of block_k, num_splits,
+    num_warps, num_stages overriding the tuned defaults), on the same data.
+    """
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
     shape.update(head_dim=head_dim, device=dev)
-    cases = _cases(
-        batch, context, q_heads, kv_heads, head_dim, page, value_group, jax.random.key(0)
-    )
+    key = jax.random.key(0)
+    cases = _cases(batch, context, q_heads, kv_heads, head_dim, page, value_group, key)
     q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)
+    runs = [(name, None) for name in rows]
+    runs += [(name, k) for k in sweep for name in rows if name.startswith("pallas")]
     results = []
-    for name in rows:
+    for name, knobs in runs:
         fn, nbytes = cases[name]
+        row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True), bytes_read=nbytes)
         try:
-            sec = _timed(fn, q, iters, repeats)
+            sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
-            results.append(
-                KernelBench(
-                    row=name,
-                    bytes_read=nbytes,
-                    error=f"{type(e).__name__}: {str(e)[:200]}",
-                    **shape,
-                )
-            )
+            results.append(KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape))
             continue
-        results.append(
-            KernelBench(
-                row=name, us=sec * 1e6, bytes_read=nbytes, tbps=nbytes / sec / 1e12, **shape
-            )
-        )
+        results.append(KernelBench(us=sec * 1e6, tbps=nbytes / sec / 1e12, **row, **shape))
     return results

@@ -55,14 +55,34 @@ def _register_kernel(bsub) -> None:
     k.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     k.add_argument("--iters", type=int, default=20, help="calls per timed loop")
     k.add_argument("--repeats", type=int, default=5, help="timed loops (median)")
+    k.add_argument(
+        "--sweep",
+        nargs="*",
+        default=[],
+        metavar="KNOB=V1,V2",
+        help="also time our rows over a grid of knobs (block_k, num_splits, num_warps, "
+        "num_stages), e.g. --sweep block_k=32,64 num_warps=4,8",
+    )
     k.add_argument("--json", action="store_true")
     k.add_argument("--out", default=None, help="also write JSON here")
     k.set_defaults(func=run_kernel)
 
 
+def _grid(specs: list[str]) -> list[dict[str, int]]:
+    """["block_k=32,64", "num_warps=4"] -> every combination as a dict (one empty dict if none)."""
+    grid: list[dict[str, int]] = [{}]
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if name not in ("block_k", "num_splits", "num_warps", "num_stages") or not values:
+            raise SystemExit(f"error: bad --sweep entry {spec!r}")
+        grid = [{**g, name: int(v)} for g in grid for v in values.split(",")]
+    return grid
+
+
 def run_kernel(args: argparse.Namespace) -> int:
     from kvjax.eval import bench_kernel
 
+    sweep = tuple(_grid(args.sweep)) if args.sweep else ()
     rows = []
     for b in args.batch:
         for ctx in args.contexts:
@@ -77,12 +97,13 @@ def run_kernel(args: argparse.Namespace) -> int:
                 rows=tuple(args.rows),
                 iters=args.iters,
                 repeats=args.repeats,
+                sweep=sweep,
             )
             for r in res:
                 rows.append(dataclasses.asdict(r))
                 if not args.json:
                     t = f"{r.us:9.1f} us {r.tbps:6.2f} TB/s" if r.error is None else r.error
-                    print(f"B={b} S={ctx:>6} {r.row:>20}: {t}", flush=True)
+                    print(f"B={b} S={ctx:>6} {r.row:>20} {r.knobs}: {t}", flush=True)
     emit(rows, as_json=args.json, title="decode-attention kernel benchmark", out=args.out)
     return 0
 
