@@ -70,7 +70,7 @@ def running_boundaries(priority: Array, *, sinks: int, window: int, k: int):
     def step(carry, q):
         vals, idx, count = carry  # [N, k] top-k values / token ids, [N] how many inserted
         t_new = q - window
-        lowest = jnp.argmin(vals, axis=-1)
+        lowest = jnp.argmin(vals, axis=-1).astype(jnp.int32)
         full = count >= k
         t_bnd = jnp.where(full, idx[rows, lowest], 0)
         eligible = t_new >= sinks
@@ -87,7 +87,7 @@ def running_boundaries(priority: Array, *, sinks: int, window: int, k: int):
         jnp.zeros((n, k), jnp.int32),
         jnp.zeros((n,), jnp.int32),
     )
-    _, (t_bnd, full) = jax.lax.scan(step, init, jnp.arange(s))
+    _, (t_bnd, full) = jax.lax.scan(step, init, jnp.arange(s, dtype=jnp.int32))
     return t_bnd.T, full.T
 
 
@@ -106,7 +106,7 @@ def boundary_labels(
     flat = log_mass.reshape(-1, s).astype(jnp.float32)
     prio = flat + decay * jnp.arange(s, dtype=jnp.float32)[None, :]
     t_bnd, full = running_boundaries(prio, sinks=sinks, window=window, k=k)
-    t_new = jnp.broadcast_to(jnp.maximum(jnp.arange(s) - window, 0), t_bnd.shape)
+    t_new = jnp.broadcast_to(jnp.maximum(jnp.arange(s, dtype=jnp.int32) - window, 0), t_bnd.shape)
     p_new = jnp.take_along_axis(prio, t_new, axis=1)
     p_bnd = jnp.take_along_axis(prio, t_bnd, axis=1)
     y = jnp.where(p_new > p_bnd, 1.0, -1.0)
@@ -130,17 +130,20 @@ def boundary_loss(scores: Array, labels: BoundaryLabels, *, tau: float = 1.0) ->
         raise ValueError(f"tau must be > 0, got {tau}")
     r_new = jnp.take_along_axis(scores, labels.t_new, axis=-1)
     r_bnd = jnp.take_along_axis(scores, labels.t_bnd, axis=-1)
-    per = jax.nn.softplus(-labels.y * (r_new - r_bnd) / tau)
-    return jnp.sum(labels.weight * per) / jnp.maximum(jnp.sum(labels.weight), 1e-9)
+    y, w = labels.y.astype(scores.dtype), labels.weight.astype(scores.dtype)
+    per = jax.nn.softplus(-y * (r_new - r_bnd) / tau)
+    return jnp.sum(w * per) / jnp.maximum(jnp.sum(w), 1e-9)
 
 
 def own_decisions(priority: Array, *, sinks: int, window: int, k: int) -> Array:
-    """[..., S] bool: does a policy ranking by static `priority` [..., S] keep t_new at q?"""
+    """[..., S] bool: does a policy ranking by static `priority` [..., S] keep t_new at q?
+    (True where there is no decision: t_new is a sink or free slots remain.)"""
     *lead, s = priority.shape
     flat = priority.reshape(-1, s).astype(jnp.float32)
-    t_bnd, _ = running_boundaries(flat, sinks=sinks, window=window, k=k)
-    t_new = jnp.broadcast_to(jnp.maximum(jnp.arange(s) - window, 0), t_bnd.shape)
-    keep = jnp.take_along_axis(flat, t_new, axis=1) > jnp.take_along_axis(flat, t_bnd, axis=1)
+    t_bnd, full = running_boundaries(flat, sinks=sinks, window=window, k=k)
+    t_new = jnp.broadcast_to(jnp.maximum(jnp.arange(s, dtype=jnp.int32) - window, 0), t_bnd.shape)
+    beats = jnp.take_along_axis(flat, t_new, axis=1) > jnp.take_along_axis(flat, t_bnd, axis=1)
+    keep = beats | ~full  # while slots are free every leaving token is kept
     return keep.reshape(*lead, s)
 
 
