@@ -1,7 +1,12 @@
 """The one shared list of policies every generic test runs over: (name, mild kwargs, aggressive
 kwargs). Budgets are given separately so tests can scale them."""
 
+import pathlib
+
 from kvjax.policies import make_policy
+
+# Random-init KVpop scorers shaped for TINY_LLAMA (the shipped ones fit SmolLM2 only).
+_TINY_SCORERS = pathlib.Path(__file__).parent / "train" / "data"
 
 # name -> extra kwargs (small windows so tiny tests exercise eviction)
 CASES = {
@@ -16,6 +21,8 @@ CASES = {
     "confkv-int8": {"protected": 2, "fp_window": 4},
     "confkv-l": {"protected": 2, "fp_window": 3, "num_layers": 2},
     "kivi": {"residual": 8, "group": 4, "bits": 2, "value_group": 8},
+    "kvpop": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlstm.msgpack")},
+    "kvpop-mlp": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlp.msgpack")},
 }
 NAMES = list(CASES)
 

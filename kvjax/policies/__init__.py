@@ -6,6 +6,7 @@ from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._kivi import KIVIPolicy
+from kvjax.policies._kvpop import KVpopPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._ranked import RankedPolicy
 from kvjax.policies._registry import BUDGETLESS, NEEDS_LAYERS, POLICIES, make_policy
@@ -23,6 +24,7 @@ __all__ = [
     "FullPolicy",
     "H2OPolicy",
     "KIVIPolicy",
+    "KVpopPolicy",
     "Policy",
     "PositionalPolicy",
     "RandomPolicy",

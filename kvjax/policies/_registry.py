@@ -10,6 +10,7 @@ from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._kivi import KIVIPolicy
+from kvjax.policies._kvpop import KVpopPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
@@ -28,10 +29,12 @@ POLICIES: dict[str, type[Policy] | functools.partial] = {
         SnapKVPolicy,
         ConfKVPolicy,
         KIVIPolicy,
+        KVpopPolicy,
     )
 }
 # Named presets of a policy class.
 POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
+POLICIES["kvpop-mlp"] = functools.partial(KVpopPolicy, scorer="mlp")
 BUDGETLESS = frozenset({"full", "kivi"})
 # Policies whose per-layer budgets need the model's layer count.
 NEEDS_LAYERS = frozenset({"confkv", "confkv-l"})

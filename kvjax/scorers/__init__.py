@@ -1,7 +1,7 @@
 """KVpop's learned eviction scorers: Flax modules (trained by `kvjax.train`) and the pure per-layer
 math the `kvpop` cache policy runs inside the generate loop."""
 
-from kvjax.scorers._io import DEFAULT_SCORER, load_scorer, save_scorer
+from kvjax.scorers._io import DEFAULT_SCORER, SHIPPED, load_scorer, resolve_scorer, save_scorer
 from kvjax.scorers._modules import (
     MlpScorer,
     MlstmScorer,
@@ -22,6 +22,7 @@ from kvjax.scorers._modules import (
 
 __all__ = [
     "DEFAULT_SCORER",
+    "SHIPPED",
     "MlpScorer",
     "MlstmScorer",
     "MlstmState",
@@ -38,5 +39,6 @@ __all__ = [
     "mlstm_scan",
     "mlstm_step",
     "readout",
+    "resolve_scorer",
     "save_scorer",
 ]

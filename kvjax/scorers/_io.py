@@ -19,7 +19,13 @@ from kvjax.scorers._modules import Params, ScorerConfig, init_scorer_params
 
 FORMAT = "kvjax-kvpop-scorer"
 VERSION = 1
-DEFAULT_SCORER = pathlib.Path(__file__).parent / "data" / "kvpop_smollm2_135m.msgpack"
+_DATA = pathlib.Path(__file__).parent / "data"
+# Scorers shipped for the embedded SmolLM2-135M-Instruct, by name.
+SHIPPED = {
+    "mlstm": _DATA / "kvpop_mlstm_smollm2_135m.msgpack",
+    "mlp": _DATA / "kvpop_mlp_smollm2_135m.msgpack",
+}
+DEFAULT_SCORER = SHIPPED["mlstm"]
 
 
 def save_scorer(
@@ -42,18 +48,31 @@ def save_scorer(
     pathlib.Path(path).write_bytes(serialization.msgpack_serialize(blob))
 
 
+def resolve_scorer(name_or_path: str | pathlib.Path | None) -> pathlib.Path:
+    """A shipped scorer's name (`mlstm`, `mlp`; None = `mlstm`) or a file path → the file."""
+    if name_or_path is None:
+        return DEFAULT_SCORER
+    return SHIPPED.get(str(name_or_path), pathlib.Path(name_or_path))
+
+
 def load_scorer(
     path: str | pathlib.Path | None = None,
 ) -> tuple[ScorerConfig, Params, dict[str, Any]]:
-    """Read a scorer file (default: the shipped one) → (config, float32 params, metadata).
+    """Read a scorer file → (config, float32 params, metadata).
+
+    Args:
+        path: a file, or the name of a shipped scorer (`mlstm`, `mlp`); None = `mlstm`.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a scorer file, a newer format, or parameters that do not fit the config.
     """
-    path = pathlib.Path(path or DEFAULT_SCORER)
+    path = resolve_scorer(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no scorer file at {path}")
+        raise FileNotFoundError(
+            f"no scorer file at {path} (shipped scorers: {sorted(SHIPPED)}; train one with "
+            "`kvjax train-scorer`)"
+        )
     try:
         blob = serialization.msgpack_restore(path.read_bytes())
         ok = isinstance(blob, dict) and blob.get("format") == FORMAT
