@@ -145,11 +145,14 @@ def bench_kernel(
     iters: int = 20,
     repeats: int = 5,
     sweep: tuple[dict, ...] = (),
+    sweep_rows: tuple[str, ...] = ("pallas-bf16",),
+    on_row: Callable[[KernelBench], None] | None = None,
 ) -> list[KernelBench]:
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then our rows again for every knob setting in `sweep` (dicts of block_k, num_splits,
-    num_warps, num_stages overriding the tuned defaults), on the same data.
+    num_warps, num_stages overriding the tuned defaults) and row in `sweep_rows`, on the same
+    data. `on_row` sees each row as soon as it is timed (progress).
     """
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
@@ -158,15 +161,17 @@ def bench_kernel(
     cases = _cases(batch, context, q_heads, kv_heads, head_dim, page, value_group, key)
     q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)
     runs = [(name, None) for name in rows]
-    runs += [(name, k) for k in sweep for name in rows if name.startswith("pallas")]
+    runs += [(name, k) for k in sweep for name in sweep_rows]
     results = []
     for name, knobs in runs:
         fn, nbytes = cases[name]
         row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True), bytes_read=nbytes)
         try:
             sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
+            res = KernelBench(us=sec * 1e6, tbps=nbytes / sec / 1e12, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
-            results.append(KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape))
-            continue
-        results.append(KernelBench(us=sec * 1e6, tbps=nbytes / sec / 1e12, **row, **shape))
+            res = KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape)
+        results.append(res)
+        if on_row is not None:
+            on_row(res)
     return results

@@ -63,6 +63,7 @@ def _register_kernel(bsub) -> None:
         help="also time our rows over a grid of knobs (block_k, num_splits, num_warps, "
         "num_stages), e.g. --sweep block_k=32,64 num_warps=4,8",
     )
+    k.add_argument("--sweep-rows", nargs="+", default=["pallas-bf16"], choices=list(ROWS))
     k.add_argument("--json", action="store_true")
     k.add_argument("--out", default=None, help="also write JSON here")
     k.set_defaults(func=run_kernel)
@@ -77,6 +78,11 @@ def _grid(specs: list[str]) -> list[dict[str, int]]:
             raise SystemExit(f"error: bad --sweep entry {spec!r}")
         grid = [{**g, name: int(v)} for g in grid for v in values.split(",")]
     return grid
+
+
+def _print_row(r) -> None:
+    t = f"{r.us:9.1f} us {r.tbps:6.2f} TB/s" if r.error is None else r.error
+    print(f"B={r.batch} S={r.context:>6} {r.row:>20} {r.knobs}: {t}", flush=True)
 
 
 def run_kernel(args: argparse.Namespace) -> int:
@@ -98,12 +104,10 @@ def run_kernel(args: argparse.Namespace) -> int:
                 iters=args.iters,
                 repeats=args.repeats,
                 sweep=sweep,
+                sweep_rows=tuple(args.sweep_rows),
+                on_row=None if args.json else _print_row,
             )
-            for r in res:
-                rows.append(dataclasses.asdict(r))
-                if not args.json:
-                    t = f"{r.us:9.1f} us {r.tbps:6.2f} TB/s" if r.error is None else r.error
-                    print(f"B={b} S={ctx:>6} {r.row:>20} {r.knobs}: {t}", flush=True)
+            rows += [dataclasses.asdict(r) for r in res]
     emit(rows, as_json=args.json, title="decode-attention kernel benchmark", out=args.out)
     return 0
 
