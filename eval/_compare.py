@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.cache import CacheSpec
+from kvjax.cache import CacheSpec, lowbit_page_bytes
 from kvjax.models import ModelConfig
 from kvjax.policies import BUDGETLESS, Policy, make_policy
 from kvjax.weights import LoadedModel
@@ -40,8 +40,7 @@ def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsiz
         dtype=np.float32,
     )
     d, g = config.head_dim, spec.lowbit_page_size
-    ng = d // min(spec.lowbit_value_group, d)
-    page = 2 * g * d * spec.lowbit_bits // 8 + 2 * d * 4 + 2 * g * ng * 4
+    page = lowbit_page_bytes(d, g, spec.lowbit_bits, min(spec.lowbit_value_group, d))
     return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page))
 
 

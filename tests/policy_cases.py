@@ -21,6 +21,7 @@ CASES = {
     "confkv-int8": {"protected": 2, "fp_window": 4},
     "confkv-l": {"protected": 2, "fp_window": 3, "num_layers": 2},
     "kivi": {"residual": 8, "group": 4, "bits": 2, "value_group": 8},
+    "qevict": {"window": 4, "sinks": 2, "band": 4},
     "kvpop": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlstm.msgpack")},
     "kvpop-mlp": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlp.msgpack")},
 }

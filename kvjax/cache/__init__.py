@@ -18,6 +18,7 @@ from kvjax.cache._state import (
     LayerCache,
     LowBitTier,
     init_cache,
+    lowbit_page_bytes,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "layer_slot_bytes",
     "live_bytes",
     "live_slots_per_layer",
+    "lowbit_page_bytes",
     "physical_bytes",
     "slot_bytes_per_layer",
     "slots_to_bytes",

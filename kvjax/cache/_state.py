@@ -109,6 +109,14 @@ class Int8Tier:
         return (self.k.shape[-1] + self.v.shape[-1]) * 1 + 2 * self.k_scale.dtype.itemsize
 
 
+def lowbit_page_bytes(head_dim: int, page_size: int, bits: int, value_group: int) -> int:
+    """K/V bytes of one low-bit page of one KV head: packed K and V codes, float32 per-channel
+    key scale/zero (one per page) and float32 per-token value scale/zero per channel group."""
+    codes = 2 * page_size * head_dim * bits // 8
+    stats = 2 * head_dim * 4 + 2 * page_size * (head_dim // value_group) * 4
+    return codes + stats
+
+
 @struct.dataclass
 class LowBitTier:
     """Pages of G tokens stored as packed low-bit codes, KIVI style (written once per page):
@@ -147,10 +155,8 @@ class LowBitTier:
 
     def page_bytes(self) -> int:
         """K/V bytes of one page of one KV head: codes plus all their scales and zeros."""
-        g = self.page_size
-        codes = 2 * g * self.k.shape[-1]
-        stats = 2 * self.k_scale.shape[-1] * 4 + 2 * g * self.v_scale.shape[-1] * 4
-        return codes + stats
+        d = self.k_scale.shape[-1]
+        return lowbit_page_bytes(d, self.page_size, self.bits, d // self.v_scale.shape[-1])
 
 
 @struct.dataclass

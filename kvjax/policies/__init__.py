@@ -7,6 +7,7 @@ from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._ranked import RankedPolicy
 from kvjax.policies._registry import BUDGETLESS, NEEDS_LAYERS, POLICIES, make_policy
@@ -27,6 +28,7 @@ __all__ = [
     "KVpopPolicy",
     "Policy",
     "PositionalPolicy",
+    "QEvictPolicy",
     "RandomPolicy",
     "RankedPolicy",
     "SnapKVPolicy",

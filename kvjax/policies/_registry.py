@@ -11,6 +11,7 @@ from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
@@ -30,6 +31,7 @@ POLICIES: dict[str, type[Policy] | functools.partial] = {
         ConfKVPolicy,
         KIVIPolicy,
         KVpopPolicy,
+        QEvictPolicy,
     )
 }
 # Named presets of a policy class.

@@ -1,0 +1,199 @@
+"""QEvict: three recoverable tiers over windows of tokens, under a byte budget, with a write-once
+quantization ledger (see METHODS.md, "QEvict").
+
+The history after the sinks is cut into windows of ω tokens. Sinks and the local band (the most
+recent tokens) stay in full precision and are never ranked. When a window leaves the band (every
+ω decode steps) a routing event ranks every resident window by its cumulative attention mass
+(H2O-style column sums, summed over the query heads of the KV head) and routes it to full
+precision, to the low-bit tier (INT2 by default, still attended: the attention dequantizes it) or
+out of the cache for good. A window is quantized once, at its first demotion; its codes (the
+ledger) are kept while the window lives and reused by every later demotion. A promoted window's
+full-precision copy is its ledger dequantized, and the ledger entry stays (dormant, counted in
+live bytes), so nothing is ever re-quantized. Positions are never renumbered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
+from kvjax.policies._base import Policy
+from kvjax.policies._qevict_route import Layout, QEvictAux, route
+from kvjax.quant import BITS
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QEvictPolicy(Policy):
+    """Windows routed between full precision, write-once low-bit codes and eviction.
+
+    Attributes:
+        budget: the byte budget per KV head and layer, in full-precision tokens (M = budget ·
+            2·D·itemsize bytes); sinks and the local band are paid from it.
+        window: ω, tokens per window (8; 16 for RULER-length runs).
+        sinks: first tokens always kept in full precision.
+        band: recent tokens always in full precision (a multiple of ω); None: min(128,
+            budget/4) rounded down to a multiple of ω.
+        quant_share: q, the share of the routed budget the low-bit tier takes under pressure.
+        bits: code width of the low-bit tier (2, 4 or 8).
+        value_group: channels per value scale/zero (None: one group per token, as the paper).
+    """
+
+    name = "qevict"
+    budget: int
+    window: int = 8
+    sinks: int = 4
+    band: int | None = None
+    quant_share: float = 0.5
+    bits: int = 2
+    value_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"QEvictPolicy.window must be >= 1, got {self.window}")
+        if self.sinks < 0:
+            raise ValueError(f"QEvictPolicy.sinks must be >= 0, got {self.sinks}")
+        if self.band is not None and (self.band < 0 or self.band % self.window):
+            raise ValueError(
+                f"QEvictPolicy.band must be a multiple of window ({self.window}) >= 0, "
+                f"got {self.band}"
+            )
+        if not 0.0 <= self.quant_share <= 1.0:
+            raise ValueError(f"QEvictPolicy.quant_share must be in [0, 1], got {self.quant_share}")
+        if self.bits not in BITS:
+            raise ValueError(f"QEvictPolicy.bits must be one of {BITS}, got {self.bits}")
+        if self.budget <= self.sinks + self.local_band + self.window:
+            raise ValueError(
+                f"QEvictPolicy.budget ({self.budget}) must exceed sinks + band + window "
+                f"({self.sinks} + {self.local_band} + {self.window}): no room for ranked windows"
+            )
+
+    @property
+    def local_band(self) -> int:
+        if self.band is not None:
+            return self.band
+        return min(128, self.budget // 4) // self.window * self.window
+
+    def layout(self, head_dim: int, dtype) -> Layout:
+        """Static sizes of one layer's cache for this head dim and full-precision dtype."""
+        vg = head_dim if self.value_group is None else self.value_group
+        if vg <= 0 or head_dim % vg:
+            raise ValueError(
+                f"QEvictPolicy.value_group ({self.value_group}) must divide head_dim {head_dim}"
+            )
+        tok = 2 * head_dim * np.dtype(dtype).itemsize
+        ring = self.local_band + self.window
+        budget_bytes = (self.budget - self.sinks - ring) * tok
+        fp_w = self.window * tok
+        page = lowbit_page_bytes(head_dim, self.window, self.bits, vg)
+        if budget_bytes < min(fp_w, page):
+            raise ValueError(
+                f"QEvictPolicy.budget {self.budget} leaves {budget_bytes} bytes after sinks and "
+                f"band: not one window fits (full precision {fp_w} B, low-bit {page} B)"
+            )
+        if budget_bytes >= 2**28:
+            raise ValueError(f"QEvictPolicy.budget {self.budget} is too large ({budget_bytes} B)")
+        return Layout(
+            sinks=self.sinks,
+            ring=ring,
+            window=self.window,
+            fp_windows=budget_bytes // fp_w,
+            pages=max(1, budget_bytes // page),
+            budget_bytes=budget_bytes,
+            quant_bytes=math.floor(self.quant_share * budget_bytes),
+            fp_window_bytes=fp_w,
+            page_bytes=page,
+        )
+
+    def capacity(self, max_len: int) -> int:
+        raise NotImplementedError("QEvict's capacity depends on head_dim and dtype: cache_spec")
+
+    def cache_spec(self, *, batch, num_layers, num_kv_heads, head_dim, max_len, dtype):
+        del max_len
+        lay = self.layout(head_dim, dtype)
+        return CacheSpec(
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            capacities=(lay.capacity,) * num_layers,
+            dtype=dtype,
+            lowbit_pages=(lay.pages,) * num_layers,
+            lowbit_page_size=self.window,
+            lowbit_bits=self.bits,
+            lowbit_value_group=head_dim if self.value_group is None else self.value_group,
+        )
+
+    def init_layer_aux(self, spec: CacheSpec) -> tuple[QEvictAux, ...]:
+        shape = (spec.batch, spec.num_kv_heads, self.layout(spec.head_dim, spec.dtype).fp_windows)
+        # One buffer per layer: the cache is donated, and a buffer may be donated only once.
+        return tuple(
+            QEvictAux(fp_ledger=jnp.full(shape, -1, jnp.int32)) for _ in range(spec.num_layers)
+        )
+
+    def _left(self, n: Array) -> Array:
+        """Windows that have left the band once n tokens are cached."""
+        return jnp.maximum(n - self.sinks - self.local_band, 0) // self.window
+
+    def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
+        del state, layer_index
+        lay = self.layout(layer.k.shape[-1], layer.k.dtype)
+        b, t, h, d = k_new.shape
+        w, r, s = self.window, lay.ring, self.sinks
+        lb = layer.lowbit
+        layer = layer.replace(
+            score=layer.score + stats.slot_mass,
+            lowbit=lb.replace(score=lb.score + jnp.sum(stats.lowbit_mass, axis=-1)),
+        )
+        n0 = pos_new[:, 0]
+        n1 = n0 + jnp.sum(valid, axis=1, dtype=jnp.int32)
+        l0, l1 = self._left(n0), self._left(n1)
+        # Windows leaving the band in this call, gathered from the ring or this call's tokens.
+        kk = t // w + 1
+        j = l0[:, None] + jnp.arange(kk, dtype=jnp.int32)[None, :]  # [B, K]
+        win = jnp.where(j < l1[:, None], j, -1)
+        tok_pos = s + j[..., None] * w + jnp.arange(w, dtype=jnp.int32)[None, None, :]  # [B, K, ω]
+        old = (tok_pos < n0[:, None, None])[:, None, :, :, None]
+        ring_idx = (s + (tok_pos - s) % r).reshape(b, 1, kk * w)
+        new_idx = jnp.clip(tok_pos - n0[:, None, None], 0, t - 1).reshape(b, 1, kk * w)
+        from_ring = lambda a: jnp.take_along_axis(a, ring_idx[..., None], axis=2)
+        from_new = lambda a: jnp.take_along_axis(jnp.swapaxes(a, 1, 2), new_idx[..., None], 2)
+        shape = (b, h, kk, w, d)
+        new_k = jnp.where(old, from_ring(layer.k).reshape(shape), from_new(k_new).reshape(shape))
+        new_v = jnp.where(old, from_ring(layer.v).reshape(shape), from_new(v_new).reshape(shape))
+        sc_ring = jnp.take_along_axis(layer.score, ring_idx, axis=2).reshape(b, h, kk, w)
+        sc_new = jnp.take_along_axis(stats.new_mass, new_idx, axis=2).reshape(b, h, kk, w)
+        new_score = jnp.where(old[..., 0], sc_ring, sc_new)
+        # This call's tokens: sinks, or ring slots if their window has not left yet.
+        base_after = s + l1 * w  # [B] first position still in the ring
+        ring_slot = s + (pos_new - s) % r
+        sink = pos_new < s
+        keep = valid & (sink | (pos_new >= base_after[:, None]))
+        slot = jnp.where(keep, jnp.where(sink, pos_new, ring_slot), layer.capacity)
+        layer = write_slots(
+            layer,
+            k_new,
+            v_new,
+            pos_new,
+            jnp.broadcast_to(slot[:, :, None], (b, t, h)),
+            jnp.swapaxes(stats.new_mass, 1, 2),
+        )
+        ring_pos = layer.pos[:, :, s : s + r]
+        gone = (ring_pos >= 0) & (ring_pos < base_after[:, None, None])
+        layer = layer.replace(
+            pos=jax.lax.dynamic_update_slice_in_dim(
+                layer.pos, jnp.where(gone, -1, ring_pos), s, axis=2
+            )
+        )
+        event = l1 > l0
+        return jax.lax.cond(
+            jnp.any(event),
+            lambda x: route(x, lay, new_k, new_v, new_score, win, event),
+            lambda x: x,
+            layer,
+        )

@@ -1,0 +1,198 @@
+"""QEvict against the obvious NumPy version (tests/qevict_reference.py) on random
+attention streams, decode and chunked calls: same tiers, same data, same ledger codes after every
+call; plus its invariants (write-once ledger, byte budget, sinks/band, positions)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from qevict_reference import Head
+
+from kvjax.attention import AttnStats
+from kvjax.cache import live_bytes
+from kvjax.policies import QEvictPolicy, make_policy
+from kvjax.quant import unpack
+
+H, D = 2, 8
+
+
+def make(budget=40, **kw):
+    kw = {"window": 4, "sinks": 2, "band": 8, **kw}
+    policy = QEvictPolicy(budget=budget, **kw)
+    spec = policy.cache_spec(
+        batch=1, num_layers=1, num_kv_heads=H, head_dim=D, max_len=0, dtype=jnp.float32
+    )
+    return policy, spec
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _write(policy, layer, k, v, n0, table):
+    """One call of T tokens at n0; `table` [H, S] is this call's attention mass per position."""
+    t = k.shape[1]
+    pos = n0 + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+    def look(p):
+        got = jnp.take_along_axis(table[None], jnp.maximum(p, 0).reshape(1, H, -1), axis=2)
+        return jnp.where(p >= 0, got.reshape(p.shape), 0.0)
+
+    stats = AttnStats(
+        slot_mass=look(layer.pos),
+        new_mass=jax.lax.dynamic_slice_in_dim(table, n0, t, axis=1)[None],
+        lse=jnp.zeros((1, t, H)),
+        lowbit_mass=look(layer.lowbit.pos),
+    )
+    valid = jnp.ones((1, t), bool)
+    return policy.write(layer, k, v, pos, valid, stats, None, layer_index=0)
+
+
+def ledger_of(layer, h):
+    """{window: (k codes, v codes, k_scale, k_zero, v_scale, v_zero)} of held pages of head h."""
+    lb = jax.tree.map(np.asarray, layer.lowbit)
+    fp_pos = np.asarray(layer.pos)[0, h]
+    led = np.asarray(layer.aux.fp_ledger)[0, h]
+    out = {}
+    for p in np.flatnonzero(lb.held[0, h]):
+        if lb.pos[0, h, p, 0] >= 0:
+            first = lb.pos[0, h, p, 0]
+        else:  # dormant: the full-precision slot linking it says which window
+            f = int(np.flatnonzero(led == p)[0])
+            first = fp_pos[fp_pos.shape[0] - led.shape[0] * lb.pos.shape[-1] :][
+                f * lb.pos.shape[-1]
+            ]
+        codes = (
+            np.asarray(unpack(lb.k[0, h, p], lb.bits)),
+            np.asarray(unpack(lb.v[0, h, p], lb.bits)),
+        )
+        out[int(first)] = codes + tuple(
+            a[0, h, p] for a in (lb.k_scale, lb.k_zero, lb.v_scale, lb.v_zero)
+        )
+    return out
+
+
+def run(policy, spec, chunks, seed, spikes=0.05):
+    """Drive the jitted policy and the reference; compare after every call. Returns the heads."""
+    lay = policy.layout(D, jnp.float32)
+    rng = np.random.default_rng(seed)
+    n = sum(chunks)
+    data = rng.standard_normal((2, n, H, D)).astype(np.float32)
+    layer = policy.empty_cache(spec).layers[0]
+    heads = [Head(policy, lay, spec.lowbit_value_group) for _ in range(H)]
+    first_codes = [{} for _ in range(H)]
+    n0 = 0
+    for t in chunks:
+        # Integer masses keep every sum exact, so ranks (and ties) agree bit for bit.
+        table = rng.integers(0, 10, (H, n)).astype(np.float32)
+        table += 200 * (rng.random((H, n)) < spikes)
+        layer = _write(policy, layer, data[0:1, n0 : n0 + t], data[1:2, n0 : n0 + t], n0, table)
+        for h, head in enumerate(heads):
+            mass = functools.partial(lambda row, p: row[p], table[h])
+            head.call(data[0, n0 : n0 + t, h], data[1, n0 : n0 + t, h], n0, mass)
+        n0 += t
+        check(policy, lay, layer, heads, first_codes, n0)
+    return heads
+
+
+def check(policy, lay, layer, heads, first_codes, n):
+    pos = np.asarray(layer.pos)[0]
+    k = np.asarray(layer.k)[0]
+    lb_pos = np.asarray(layer.lowbit.pos)[0]
+    for h, head in enumerate(heads):
+        want = head.attended()
+        got = {int(p): 1 for p in pos[h][pos[h] >= 0]}
+        got.update({int(p): 2 for p in lb_pos[h][lb_pos[h] >= 0]})
+        assert got == want, f"head {h} after {n} tokens"
+        # Full-precision data: the original token, or its ledger dequantized after a promotion.
+        ref_k = {p: v[0] for p, v in head.recent.items()}
+        for j, (kk, _, _) in head.fp.items():
+            ref_k.update({lay.sinks + j * lay.window + i: kk[i] for i in range(lay.window)})
+        for slot in np.flatnonzero(pos[h] >= 0):  # dequantization may fuse a multiply-add: 1 ulp
+            np.testing.assert_allclose(k[h, slot], ref_k[int(pos[h, slot])], rtol=3e-7, atol=3e-7)
+        # The ledger: the same windows and bit-identical codes, written once.
+        led = ledger_of(layer, h)
+        assert sorted(led) == sorted(lay.sinks + j * lay.window for j in head.ledger)
+        for j, entry in head.ledger.items():
+            got_e = led[lay.sinks + j * lay.window]
+            for a, b in zip(got_e, entry.codes + entry.stats, strict=True):
+                np.testing.assert_array_equal(a, b)
+            first = first_codes[h].setdefault(j, got_e)
+            for a, b in zip(got_e, first, strict=True):
+                np.testing.assert_array_equal(a, b)
+        for j in list(first_codes[h]):
+            if j not in head.ledger:  # evicted for good: never comes back
+                del first_codes[h][j]
+        # Sinks and the band never leave full precision.
+        for p in range(n):
+            if p < lay.sinks or p >= n - policy.local_band:
+                assert got[p] == 1
+    # The byte budget (sinks + ring + routed windows) is never exceeded.
+    assert live_bytes_of(layer) <= policy.budget * 2 * D * 4 * H
+
+
+def live_bytes_of(layer):
+    from kvjax.cache import Cache
+
+    return int(live_bytes(Cache(layers=(layer,), length=jnp.zeros((1,), jnp.int32)))[0])
+
+
+@settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    chunks=st.lists(st.sampled_from([1, 1, 1, 2, 5, 9]), min_size=8, max_size=30),
+    share=st.sampled_from([0.25, 0.5, 0.75]),
+)
+def test_matches_reference_on_random_streams(seed, chunks, share):
+    policy, spec = make(quant_share=share)
+    run(policy, spec, chunks, seed)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_promote_demote_cycles_keep_ledger_codes(bits):
+    """Spiky attention makes windows bounce between tiers; codes stay bit-identical (checked in
+    `check` after every call) and the stream really does promote windows."""
+    policy, spec = make(budget=44, bits=bits, quant_share=0.5)
+    heads = run(policy, spec, [1] * 120, seed=3, spikes=0.08)
+    assert sum(h.promotions for h in heads) >= 3
+
+
+def test_budget_large_enough_keeps_everything_full_precision():
+    policy, spec = make(budget=200)
+    heads = run(policy, spec, [7] + [1] * 40, seed=1)
+    assert all(not h.low and not h.ledger for h in heads)
+
+
+def test_bad_budgets_and_fields_raise_clear_errors():
+    with pytest.raises(ValueError, match="budget"):
+        QEvictPolicy(budget=10, window=4, sinks=2, band=8)
+    with pytest.raises(ValueError, match="band"):
+        QEvictPolicy(budget=64, window=8, band=12)
+    with pytest.raises(ValueError, match="quant_share"):
+        QEvictPolicy(budget=64, quant_share=1.5)
+    with pytest.raises(ValueError, match="bits"):
+        QEvictPolicy(budget=64, bits=3)
+    with pytest.raises(ValueError, match="value_group"):
+        QEvictPolicy(budget=64, value_group=5).layout(64, jnp.float32)
+    with pytest.raises(ValueError, match="needs a budget"):
+        make_policy("qevict")
+
+
+def test_generate_stays_within_byte_budget_and_uses_the_low_bit_tier(tiny_llama):
+    from kvjax.generate import GenerateConfig, generate
+
+    config, params = tiny_llama
+    policy = QEvictPolicy(budget=40, window=4, sinks=2, band=8)
+    out = generate(
+        config,
+        params,
+        [list(range(1, 40)), list(range(3, 12))],
+        policy=policy,
+        gen=GenerateConfig(max_new_tokens=40, chunk_size=8),
+    )
+    live = out.telemetry.live_bytes()  # [N, B]
+    tok = 2 * config.head_dim * 4
+    assert live.max() <= policy.budget * tok * config.num_kv_heads * config.num_layers
+    pages = np.asarray(out.telemetry.live_slots)[..., 2]
+    assert pages.max() > 0  # windows did go to the low-bit tier
