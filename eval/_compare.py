@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes
@@ -31,14 +32,20 @@ def peak_live_bytes(spec: CacheSpec, unit_bytes: tuple[int, int, int]) -> int:
 
 
 def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsize: int) -> int:
+    """Peak live bytes of the policy's cache for one sequence: every slot of every tier occupied,
+    or the policy's own bound when it enforces a byte budget (QEvict)."""
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
     spec = policy.cache_spec(
         batch=1,
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         max_len=max_len,
-        dtype=np.float32,
+        dtype=dtype,
     )
+    bound = policy.live_bytes_bound(spec)
+    if bound is not None:
+        return bound
     d, g = config.head_dim, spec.lowbit_page_size
     page = lowbit_page_bytes(d, g, spec.lowbit_bits, min(spec.lowbit_value_group, d))
     return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page))
@@ -56,8 +63,8 @@ def matched_budget(
     (it raises ValueError) are skipped; bytes grow with the budget, so bisection finds the edge."""
 
     def valid(b: int) -> bool:
-        try:
-            make(b)
+        try:  # the policy accepts b, and its cache can be laid out (QEvict checks bytes there)
+            policy_peak_bytes(make(b), config, max_tokens, itemsize)
             return True
         except ValueError:
             return False
@@ -95,6 +102,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "confkv": ("confkv", {"int8": False}),
     "confkv+int8": ("confkv", {"int8": True}),
     "confkv-l": ("confkv-l", {"int8": True}),
+    "qevict": ("qevict", {}),
+    "qevict-int4": ("qevict", {"bits": 4}),
 }
 
 

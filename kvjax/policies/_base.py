@@ -59,6 +59,12 @@ class Policy(abc.ABC):
             int8_capacities=self.int8_capacities(num_layers, max_len),
         )
 
+    def live_bytes_bound(self, spec: CacheSpec) -> int | None:
+        """Most live K/V bytes the cache can hold, when the policy enforces a tighter bound than
+        "every slot occupied" (a byte budget); None otherwise."""
+        del spec
+        return None
+
     def init_layer_aux(self, spec: CacheSpec) -> tuple[Any, ...] | None:
         """Per-layer policy state (LayerCache.aux), one pytree per layer; None if not needed."""
         del spec

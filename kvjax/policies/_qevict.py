@@ -129,6 +129,10 @@ class QEvictPolicy(Policy):
             lowbit_value_group=head_dim if self.value_group is None else self.value_group,
         )
 
+    def live_bytes_bound(self, spec: CacheSpec) -> int:
+        tok = 2 * spec.head_dim * np.dtype(spec.dtype).itemsize
+        return spec.batch * spec.num_kv_heads * spec.num_layers * self.budget * tok
+
     def init_layer_aux(self, spec: CacheSpec) -> tuple[QEvictAux, ...]:
         shape = (spec.batch, spec.num_kv_heads, self.layout(spec.head_dim, spec.dtype).fp_windows)
         # One buffer per layer: the cache is donated, and a buffer may be donated only once.
