@@ -69,3 +69,8 @@ def test_train_scorer_end_to_end(tmp_path, capsys):
     cfg, params, meta = load_scorer(out)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (30, 3, 64)
     assert meta["accuracy"] == acc
+    # --evaluate reports the same numbers for the written file (its stored float16 parameters).
+    argv = ["train-scorer", "--seq-len", "48", "--window", "8", "--k", "12", "--eval-seqs", "1"]
+    assert main([*argv, "--evaluate", str(out), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert {k: row[k] for k in acc} == acc
