@@ -15,6 +15,8 @@ from kvjax.pallas_kernels.decode_attention._api import (
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, Partials
+from kvjax.pallas_kernels.decode_attention._tpu import decode_attention_tpu
+from kvjax.pallas_kernels.decode_attention._tpu_lowbit import decode_attention_lowbit_tpu
 from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
 from kvjax.pallas_kernels.decode_attention._triton_lowbit import decode_attention_lowbit_triton
 from kvjax.pallas_kernels.decode_attention._tuning import TUNINGS, Tuning, tuning_for
@@ -32,8 +34,10 @@ __all__ = [
     "attention_mass",
     "combine",
     "decode_attention",
+    "decode_attention_lowbit_tpu",
     "decode_attention_lowbit_triton",
     "decode_attention_reference",
+    "decode_attention_tpu",
     "decode_attention_triton",
     "default_backend",
     "tuning_for",

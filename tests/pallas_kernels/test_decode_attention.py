@@ -120,3 +120,10 @@ class TestDecodeAttention:
 
 class TestDecodeAttentionInterpret(TestDecodeAttention):
     INTERPRET = True
+
+
+class TestDecodeAttentionTpuInterpret(TestDecodeAttention):
+    """The Mosaic TPU variant, in the TPU interpreter (it has one split, so any num_splits)."""
+
+    INTERPRET = True
+    BACKEND = "tpu"
