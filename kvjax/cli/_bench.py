@@ -32,7 +32,7 @@ def register(sub) -> None:
     d.add_argument(
         "--attention",
         default="xla",
-        choices=["auto", *IMPLEMENTATIONS],
+        choices=list(IMPLEMENTATIONS),
         help="attention implementation (auto: Pallas on GPU/TPU, XLA on CPU)",
     )
     d.add_argument("--json", action="store_true")
