@@ -175,43 +175,42 @@ def train_scorer(
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
     start = 0
-    ckpt = None
-    if ckpt_dir is not None:
-        ckpt = Checkpoints(ckpt_dir, cfg.to_json())
-        if ckpt.latest_step() is not None:
+    ckpt = Checkpoints(ckpt_dir, cfg.to_json()) if ckpt_dir is not None else None
+    try:  # the manager is closed even when restoring or a step fails
+        if ckpt is not None and ckpt.latest_step() is not None:
             state, meta = ckpt.restore(state)
             start, history, evals = meta["step"], meta["history"], meta["evals"]
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-    steps = range(start, end)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+        end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+        steps = range(start, end)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(steps, desc=f"train {sc.kind}", unit="step", initial=start, total=cfg.steps)
-        steps = bar
+            bar = tqdm(steps, desc=f"train {sc.kind}", unit="step", initial=start, total=cfg.steps)
+            steps = bar
 
-    def run_eval(step: int) -> None:
-        if held_out is None:
-            return
-        loss, acc = eval_fn(state["params"], held_out.k, held_out.v, held_out.labels)
-        evals.append({"step": step, "loss": float(loss), "accuracy": float(acc)})
+        def run_eval(step: int) -> None:
+            if held_out is not None:
+                loss, acc = eval_fn(state["params"], held_out.k, held_out.v, held_out.labels)
+                evals.append({"step": step, "loss": float(loss), "accuracy": float(acc)})
 
-    for i in steps:
-        k, v, labels = train.batch(batch_indices(i, len(train), cfg.batch, cfg.seed))
-        p, o, loss, gnorm = step_fn(state["params"], state["opt_state"], k, v, labels)
-        state = {"params": p, "opt_state": o}
-        history.append({"step": i + 1, "loss": float(loss), "grad_norm": float(gnorm)})
-        if bar is not None:
-            bar.set_postfix(loss=f"{float(loss):.4f}")
-        done = i + 1
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-            run_eval(done)
-        if ckpt is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
-            ckpt.save(done, state, {"history": history, "evals": evals})
-    if end == cfg.steps and (not evals or evals[-1]["step"] != end):
-        run_eval(end)
-    if ckpt is not None and end > start:
-        ckpt.save(end, state, {"history": history, "evals": evals})
-    if ckpt is not None:
-        ckpt.close()
+        for i in steps:
+            k, v, labels = train.batch(batch_indices(i, len(train), cfg.batch, cfg.seed))
+            p, o, loss, gnorm = step_fn(state["params"], state["opt_state"], k, v, labels)
+            state = {"params": p, "opt_state": o}
+            history.append({"step": i + 1, "loss": float(loss), "grad_norm": float(gnorm)})
+            if bar is not None:
+                bar.set_postfix(loss=f"{float(loss):.4f}")
+            done = i + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                run_eval(done)
+            if ckpt is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
+                ckpt.save(done, state, {"history": history, "evals": evals})
+        if end == cfg.steps and (not evals or evals[-1]["step"] != end):
+            run_eval(end)
+        if ckpt is not None and end > start:
+            ckpt.save(end, state, {"history": history, "evals": evals})
+    finally:
+        if ckpt is not None:
+            ckpt.close()
     return TrainResult(scorer_config=sc, params=state["params"], history=history, evals=evals)
