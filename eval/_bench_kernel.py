@@ -98,13 +98,15 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     def ours(tier, logits=False, bits=None):
         def fn(q, knobs):
             knobs = knobs or {}
-            if bits is None:
+            if bits is None:  # each kernel takes its own knobs
+                dense = {k: x for k, x in knobs.items() if k != "pages_per_step"}
                 p = da.decode_attention_triton(
-                    grouped(q), tier, q_pos, scale=scale, return_logits=logits
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **dense
                 )
             else:
+                paged = {k: x for k, x in knobs.items() if k != "block_k"}
                 p = da.decode_attention_lowbit_triton(
-                    grouped(q), tier, q_pos, bits=bits, scale=scale
+                    grouped(q), tier, q_pos, bits=bits, scale=scale, **paged
                 )
             return out(da.combine([p])[0])
 
@@ -150,9 +152,9 @@ def bench_kernel(
 ) -> list[KernelBench]:
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
-    Then our rows again for every knob setting in `sweep` (dicts of block_k, num_splits,
-    num_warps, num_stages overriding the tuned defaults) and row in `sweep_rows`, on the same
-    data. `on_row` sees each row as soon as it is timed (progress).
+    Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
+    pages_per_step, num_splits, num_warps, num_stages overriding the tuned defaults), on the
+    same data. `on_row` sees each row as soon as it is timed (progress).
     """
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)

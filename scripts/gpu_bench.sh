@@ -44,6 +44,14 @@ case "${1:-foundation}" in
       xla-bf16 xla-dequant-int8 ${SWEEP:+--sweep $SWEEP} --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"
     ;;
+  decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context: XLA vs Pallas attention
+    # POLICIES/BUDGET overridable; 6554 tokens = 20% of the 32K context.
+    for impl in ${IMPLS:-xla pallas}; do
+      # shellcheck disable=SC2086
+      run bench decode --preset Llama-3-8B --dtype bfloat16 --policy ${POLICIES:-full confkv qevict} \
+        --budget "${BUDGET:-6554}" --contexts 32768 --batch "${BATCH:-8}" --steps 16 \
+        --copy-mib 4096 --attention "$impl" --out "$OUT/decode_${impl}_b${BATCH:-8}.json"
+    done ;;
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)

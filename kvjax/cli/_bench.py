@@ -60,8 +60,8 @@ def _register_kernel(bsub) -> None:
         nargs="*",
         default=[],
         metavar="KNOB=V1,V2",
-        help="also time our rows over a grid of knobs (block_k, num_splits, num_warps, "
-        "num_stages), e.g. --sweep block_k=32,64 num_warps=4,8",
+        help="also time --sweep-rows over a grid of knobs (block_k, pages_per_step, num_splits, "
+        "num_warps, num_stages), e.g. --sweep block_k=32,64 num_warps=4,8",
     )
     k.add_argument("--sweep-rows", nargs="+", default=["pallas-bf16"], choices=list(ROWS))
     k.add_argument("--json", action="store_true")
@@ -69,12 +69,15 @@ def _register_kernel(bsub) -> None:
     k.set_defaults(func=run_kernel)
 
 
+_KNOBS = ("block_k", "pages_per_step", "num_splits", "num_warps", "num_stages")
+
+
 def _grid(specs: list[str]) -> list[dict[str, int]]:
     """["block_k=32,64", "num_warps=4"] -> every combination as a dict (one empty dict if none)."""
     grid: list[dict[str, int]] = [{}]
     for spec in specs:
         name, _, values = spec.partition("=")
-        if name not in ("block_k", "num_splits", "num_warps", "num_stages") or not values:
+        if name not in _KNOBS or not values:
             raise SystemExit(f"error: bad --sweep entry {spec!r}")
         grid = [{**g, name: int(v)} for g in grid for v in values.split(",")]
     return grid

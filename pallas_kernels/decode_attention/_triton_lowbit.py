@@ -64,6 +64,7 @@ def _kernel(
     bits: int,
     scale: float,
     num_splits: int,
+    pages_per_step: int,
     group: int,
     return_logits: bool,
 ):
@@ -76,37 +77,57 @@ def _kernel(
     cdt = q_ref.dtype
     qpos = qpos_ref[()]
     q = [q_ref[:, pl.ds(c0, w)].astype(jnp.float32) for _, _, c0, _ in parts]  # [Gp, w] each
-    first, last = split_range(extent_ref[()], pages, 1, num_splits)
+    extent = jnp.minimum(extent_ref[()], pages)
+    n_steps = pl.cdiv(pages, pages_per_step)
+    first, last = split_range(extent, n_steps, pages_per_step, num_splits)
 
     def codes(packed: Array, i: int) -> Array:
         return ((packed >> (i * bits)) & mask).astype(cdt)  # [Tp, w]
 
-    def step(pg, carry):
+    js = sorted({j for _, j, _, _ in parts})
+
+    def load(pg):
+        """Every array of page pg (clamped in bounds), loaded before any is used."""
+        return dict(
+            pos=pos_ref[pg, :],
+            k={j: k_ref[pg, :, pl.ds(j, w)] for j in js},
+            v={j: v_ref[pg, :, pl.ds(j, w)] for j in js},
+            ks=[ks_ref[pg, pl.ds(c0, w)] for _, _, c0, _ in parts],
+            kz=[kz_ref[pg, pl.ds(c0, w)] for _, _, c0, _ in parts],
+            vs=[vs_ref[pg, :, grp] for _, _, _, grp in parts],  # [Tp] each
+            vz=[vz_ref[pg, :, grp] for _, _, _, grp in parts],
+        )
+
+    def attend(page, pg, live, carry):
         acc, m, l = carry
-        pos = pos_ref[pg, :]
         s = jnp.zeros((gp, tp), jnp.float32)
         qz = jnp.zeros((gp,), jnp.float32)
-        packed = {j: k_ref[pg, :, pl.ds(j, w)] for j in sorted({j for _, j, _, _ in parts})}
-        for qc, (i, j, c0, _) in zip(q, parts, strict=True):
-            ksc = ks_ref[pg, pl.ds(c0, w)]
-            s = s + dot_f32((qc * ksc[None, :]).astype(cdt), codes(packed[j], i), trans_b=True)
-            qz = qz + jnp.sum(qc * kz_ref[pg, pl.ds(c0, w)][None, :], axis=1)
+        for qc, ksc, kzc, (i, j, _, _) in zip(q, page["ks"], page["kz"], parts, strict=True):
+            s = s + dot_f32((qc * ksc[None, :]).astype(cdt), codes(page["k"][j], i), trans_b=True)
+            qz = qz + jnp.sum(qc * kzc[None, :], axis=1)
         s = (s + qz[:, None]) * scale
-        s = jnp.where(((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
+        pos = page["pos"]
+        s = jnp.where(((pos >= 0) & (pos <= qpos) & live)[None, :], s, -jnp.inf)
         if return_logits:
-            store_rows(logits_ref[0], s, group, pl.ds(pl.multiple_of(pg * tp, tp), tp))
+            cols = pl.ds(pl.multiple_of(pg * tp, tp), tp)
+            store_rows(logits_ref[0], s, group, cols, jnp.full((tp,), live))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # [Gp, Tp]
         l = l * corr + jnp.sum(p, axis=1)
-        packed = {j: v_ref[pg, :, pl.ds(j, w)] for j in packed}
         new = []
-        for a, (i, j, _, grp) in zip(acc, parts, strict=True):
-            vsc = vs_ref[pg, :, grp]  # [Tp]
-            pv = dot_f32((p * vsc[None, :]).astype(cdt), codes(packed[j], i), trans_b=False)
-            zero = jnp.sum(p * vz_ref[pg, :, grp][None, :], axis=1)
+        for a, vsc, vzc, (i, j, _, _) in zip(acc, page["vs"], page["vz"], parts, strict=True):
+            pv = dot_f32((p * vsc[None, :]).astype(cdt), codes(page["v"][j], i), trans_b=False)
+            zero = jnp.sum(p * vzc[None, :], axis=1)
             new.append(a * corr[:, None] + pv + zero[:, None])
         return new, m_new, l
+
+    def step(st, carry):
+        pgs = [jnp.minimum(st * pages_per_step + c, pages - 1) for c in range(pages_per_step)]
+        loaded = [load(pg) for pg in pgs]  # all loads of the step in flight together
+        for c, (pg, page) in enumerate(zip(pgs, loaded, strict=True)):
+            carry = attend(page, pg, st * pages_per_step + c < extent, carry)
+        return carry
 
     init = (
         [jnp.zeros((gp, w), jnp.float32) for _ in parts],
@@ -127,6 +148,7 @@ def _kernel(
         "bits",
         "scale",
         "num_splits",
+        "pages_per_step",
         "num_warps",
         "num_stages",
         "return_logits",
@@ -141,12 +163,13 @@ def decode_attention_lowbit_triton(
     bits: int,
     scale: float,
     num_splits: int | None = None,
+    pages_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_logits: bool = False,
     interpret: bool = False,
 ) -> Partials:
-    """One decode query per sequence attending the packed low-bit tier, one page per loop step.
+    """One decode query per sequence attending the packed low-bit tier, page by page.
 
     Args:
         q: [B, Hkv, G, D] queries grouped by KV head, in the compute dtype.
@@ -155,6 +178,7 @@ def decode_attention_lowbit_triton(
         bits: code width, 2, 4 or 8.
         scale: logit scale.
         num_splits: splits S per (sequence, KV head); default fills the chip.
+        pages_per_step: pages whose loads are issued together per loop step (default: tuned).
         num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
         return_logits: also return the scaled logits of every read slot.
         interpret: run in the Pallas interpreter (CPU tests).
@@ -169,7 +193,8 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if dp * 8 != d * bits:
         raise ValueError(f"packed width {dp} does not hold D={d} channels at {bits} bits")
-    splits = num_splits or _num_splits(b, hkv, pages, tune.target_programs)
+    pps = pages_per_step or tune.pages_per_step
+    splits = num_splits or _num_splits(b, hkv, pl.cdiv(pages, pps), tune.target_programs)
     qp = pad_group(q)
     out_shape, out_specs = split_out_shapes(qp, group, splits, pages * tp, return_logits)
     arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.k_scale, tier.k_zero]
@@ -181,6 +206,7 @@ def decode_attention_lowbit_triton(
         bits=bits,
         scale=scale,
         num_splits=splits,
+        pages_per_step=pps,
         group=group,
         return_logits=return_logits,
     )

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from decode_cases import Case, make_tiers, oracle
 
-from kvjax.pallas_kernels.decode_attention import attention_mass, decode_attention
+from kvjax.pallas_kernels.decode_attention import attention_mass, combine, decode_attention
 
 TIERS = ("fp", "fp+int8", "fp+int2", "fp+int4", "fp+int8b")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -127,3 +127,22 @@ class TestDecodeAttentionTpuInterpret(TestDecodeAttention):
 
     INTERPRET = True
     BACKEND = "tpu"
+
+
+@pytest.mark.parametrize("pages_per_step", [2, 4])
+def test_triton_lowbit_multi_page_steps_match_one_page_steps(pages_per_step):
+    # 3 pages: a step of 2 or 4 pages overhangs the tier, and page 1 of sequence 1 is dormant.
+    from kvjax.pallas_kernels.decode_attention import decode_attention_lowbit_triton
+
+    case = Case(dtype="float32", tiers="fp+int4", ratio=4, head_dim=64)
+    q, q_pos, _, _, lowbit = make_tiers(case, _seed("pages", pages_per_step))
+    run = lambda pps: decode_attention_lowbit_triton(
+        q, lowbit, q_pos, bits=4, scale=0.125, num_splits=2, pages_per_step=pps,
+        return_logits=True, interpret=True,
+    )  # fmt: skip
+    one, many = run(1), run(pages_per_step)
+    for a, b in zip(combine([many]), combine([one]), strict=True):  # splits differ: combine
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    seen = np.asarray(lowbit.pos).reshape(*one.logits.shape[:2], 1, -1) >= 0
+    seen = np.broadcast_to(seen, one.logits.shape)
+    np.testing.assert_array_equal(np.asarray(many.logits)[seen], np.asarray(one.logits)[seen])
