@@ -45,15 +45,17 @@ def _extent(pos: np.ndarray) -> np.ndarray:
     return np.where(pos >= 0, np.arange(1, n + 1), 0).max(-1).astype(np.int32)
 
 
-def make_tiers(case: Case, seed: int):
+def make_tiers(case: Case, seed: int, page: int = PAGE):
     """(q [B, Hkv, G, D], q_pos [B], FullTier, Int8Tier|None, LowBitTier|None) from fresh noise."""
     rng = np.random.default_rng(seed)
     b, h, g, d, n = case.batch, case.kv_heads, case.ratio, case.head_dim, case.cap
     dt = jnp.dtype(case.dtype)
-    q_pos = np.array([400, 300][:b], np.int32)
+    pages = max(3, n // page)
+    span = max(300, 2 * max(n, pages * page))  # positions are drawn from range(span)
+    q_pos = np.array([span + 100, span // 2][:b], np.int32)  # sequence 1: half in its future
     normal = lambda *s: rng.standard_normal(s).astype(np.float32)
     q = jnp.asarray(2 * normal(b, h, g, d), dt)  # sharper softmax than unit logits
-    pos = _positions(rng, b, h, n, 300)
+    pos = _positions(rng, b, h, n, span)
     full = FullTier(
         jnp.asarray(normal(b, h, n, d), dt),
         jnp.asarray(normal(b, h, n, d), dt),
@@ -65,17 +67,16 @@ def make_tiers(case: Case, seed: int):
         m = n - 7
         kc, ks = quant.quantize_int8(jnp.asarray(normal(b, h, m, d)))
         vc, vs = quant.quantize_int8(jnp.asarray(normal(b, h, m, d)))
-        p8 = _positions(rng, b, h, m, 300)
+        p8 = _positions(rng, b, h, m, span)
         int8 = Int8Tier(kc, vc, ks, vs, jnp.asarray(p8), jnp.asarray(_extent(p8)))
     if case.bits:
-        pages = 3
         kc, kscale, kzero = quant.quantize_per_channel(
-            jnp.asarray(normal(b, h, pages, PAGE, d)), case.bits
+            jnp.asarray(normal(b, h, pages, page, d)), case.bits
         )
         vc, vscale, vzero = quant.quantize_per_token(
-            jnp.asarray(normal(b, h, pages, PAGE, d)), case.bits, min(VALUE_GROUP, d)
+            jnp.asarray(normal(b, h, pages, page, d)), case.bits, min(VALUE_GROUP, d)
         )
-        pl_ = _positions(rng, b, h, pages * PAGE, 300).reshape(b, h, pages, PAGE)
+        pl_ = _positions(rng, b, h, pages * page, span).reshape(b, h, pages, page)
         pl_[1, 0, 1] = -1  # a dormant page in the middle
         extent = (pl_ >= 0).any(-1)
         extent = np.where(extent, np.arange(1, pages + 1), 0).max(-1).astype(np.int32)

@@ -117,6 +117,23 @@ class TestDecodeAttention:
         assert np.all(np.isfinite(np.asarray(res.out)))
         assert np.all(np.asarray(self.run(q, q_pos, later, None, None, None).lse) == -np.inf)
 
+    @pytest.mark.parametrize("tiers", ["fp+int8", "fp+int2"])
+    def test_tuned_defaults_at_real_sizes(self, tiers):
+        # GPU only: the device's tuned block/split/warp defaults, D=128, capacity 1000 (not a
+        # multiple of any block), 32-token pages; the interpreter would take minutes here.
+        if self.INTERPRET:
+            pytest.skip("real sizes are for the compiled kernels")
+        case = Case(dtype="bfloat16", tiers=tiers, ratio=4, head_dim=128, cap=1000)
+        q, q_pos, full, int8, lowbit = make_tiers(case, _seed("real", tiers), page=32)
+        res = decode_attention(
+            q, q_pos, full=full, int8=int8, lowbit=lowbit, bits=case.bits or 2,
+            scale=128**-0.5, backend=self.BACKEND, return_logits=True,
+        )  # fmt: skip
+        out, lse, _, _ = oracle(q, q_pos, full, int8, lowbit, case.bits, 128**-0.5)
+        got = np.asarray(res.out, np.float64)
+        assert np.linalg.norm(got - out) / np.linalg.norm(out) < TOL["bfloat16"]
+        np.testing.assert_allclose(np.asarray(res.lse), lse, atol=0.2)
+
 
 class TestDecodeAttentionInterpret(TestDecodeAttention):
     INTERPRET = True
@@ -127,6 +144,7 @@ class TestDecodeAttentionTpuInterpret(TestDecodeAttention):
 
     INTERPRET = True
     BACKEND = "tpu"
+    test_split_count_does_not_change_result = None  # one split on TPU: nothing to vary
 
 
 @pytest.mark.parametrize("pages_per_step", [2, 4])
