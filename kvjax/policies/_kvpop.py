@@ -4,7 +4,8 @@ window of the w newest tokens, and k long-range slots that keep the highest stat
 
 A token's priority is computed once, when it leaves the window: the `mlp` scorer reads its key and
 value; the `mlstm` scorer reads it (delayed) against a per-head matrix memory that has absorbed
-every token up to the current one (LayerCache.aux holds the memories). Priorities never change
+every token up to the current one (LayerCache.aux holds the memories). A scorer trained with
+immediate reads (the ablation) is read as each token arrives instead. Priorities never change
 afterwards, so a running top-k is exact: a leaving token replaces the lowest kept priority if it
 beats it — O(B) per decode step (RankedPolicy's engine), no sort of the history.
 
@@ -123,6 +124,15 @@ class KVpopPolicy(RankedPolicy):
         if layer_index >= config.num_layers or (h, d) != (config.num_kv_heads, config.head_dim):
             self._fit(max(layer_index + 1, config.num_layers), h, d)  # raises
         p = layer_params(params, layer_index)
+        if config.kind == ScorerKind.MLSTM and not config.delayed:
+            # The immediate-read ablation: each token is scored right after its own update and
+            # carries that score through the window.
+            x = features(k_new, v_new)
+            aux, r = self._mlstm(p, layer.aux, x, x, valid)
+            out = super().write(
+                layer, k_new, v_new, pos_new, valid, stats, _NewScores(r), layer_index=layer_index
+            )
+            return out.replace(aux=aux)
         w = self.window
         # Step τ of this call writes token pos_new[τ] and pushes out token pos_new[τ] − w: the new
         # token τ − w if τ >= w, else the ring token in slot (pos_new[τ] − w) mod w.

@@ -2,6 +2,7 @@
 holds exactly the sinks, the newest w tokens and the k best priorities among the tokens that left
 the window, each priority being the scorer module's (delayed) read — the training-time math."""
 
+import dataclasses
 import pathlib
 
 import jax
@@ -11,13 +12,20 @@ import pytest
 
 from kvjax.attention import AttnStats
 from kvjax.policies import KVpopPolicy, make_policy
-from kvjax.scorers import load_scorer, make_scorer
+from kvjax.scorers import load_scorer, make_scorer, save_scorer
 
 DATA = pathlib.Path(__file__).parent / "data"
 B, H, D, S = 2, 2, 16, 48
 
 
-def _scorer(kind):
+def _scorer(kind, tmp_path=None):
+    if kind == "mlstm-immediate":  # the ablation: same parameters, read as each token arrives
+        config, params, meta = load_scorer(_scorer("mlstm"))
+        path = tmp_path / "immediate.msgpack"
+        save_scorer(
+            path, dataclasses.replace(config, delayed=False), params, meta, dtype=np.float32
+        )
+        return str(path)
     return str(DATA / f"tiny_llama_{kind}.msgpack")
 
 
@@ -28,13 +36,12 @@ def _expected(prio, p, sinks, window, k):
     return set(range(min(sinks, p + 1))) | set(range(max(0, p - window + 1), p + 1)) | set(best)
 
 
-@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+@pytest.mark.parametrize("kind", ["mlstm", "mlp", "mlstm-immediate"])
 @pytest.mark.parametrize("chunks", [[1] * S, [5, 1, 7, 3, 1, 1, 9, 2, 11, 8]])
-def test_running_top_k_equals_brute_force(kind, chunks):
+def test_running_top_k_equals_brute_force(kind, chunks, tmp_path):
     sinks, window, k = 2, 4, 6
-    policy = KVpopPolicy(
-        budget=sinks + window + k, sinks=sinks, window=window, scorer=_scorer(kind)
-    )
+    scorer = _scorer(kind, tmp_path)
+    policy = KVpopPolicy(budget=sinks + window + k, sinks=sinks, window=window, scorer=scorer)
     spec = policy.cache_spec(
         batch=B, num_layers=2, num_kv_heads=H, head_dim=D, max_len=S, dtype=jnp.float32
     )
@@ -42,7 +49,7 @@ def test_running_top_k_equals_brute_force(kind, chunks):
     kk, kv = jax.random.split(jax.random.key(len(chunks)))
     k_all = jax.random.normal(kk, (B, S, H, D))
     v_all = jax.random.normal(kv, (B, S, H, D))
-    config, params, _ = load_scorer(_scorer(kind))
+    config, params, _ = load_scorer(scorer)
     stacked = lambda x: jnp.stack([x, x], axis=2)  # [B, S, L, H, D]: layer 1 is the one checked
     prio = make_scorer(config).apply(
         {"params": params}, stacked(k_all), stacked(v_all), window=window
