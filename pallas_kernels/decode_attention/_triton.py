@@ -42,12 +42,12 @@ def dot_f32(a: Array, b: Array, *, trans_b: bool) -> Array:
 
 
 def store_rows(ref, x: Array, group: int, cols=slice(None), col_mask: Array | None = None) -> None:
-    """Stores the first `group` rows of x [Gp, N] into ref [G, ...] (padded rows never land)."""
-    rid = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    for g in range(group):
-        row = jnp.sum(jnp.where(rid == g, x, 0.0), axis=0, keepdims=True)  # [1, N]
-        mask = None if col_mask is None else col_mask[None, :]
-        plgpu.store(ref.at[pl.ds(g, 1), cols], row, mask=mask)
+    """Stores x [Gp, N] into ref [Gp, ...] at `cols`; rows >= group (padding) are masked off,
+    so they are never written and cost no bytes."""
+    mask = lax.broadcasted_iota(jnp.int32, x.shape, 0) < group
+    if col_mask is not None:
+        mask = mask & col_mask[None, :]
+    plgpu.store(ref.at[:, cols], x, mask=mask)
 
 
 def split_range(extent: Array, num_blocks_cap: int, block: int, num_splits: int):
@@ -72,7 +72,7 @@ def _kernel(
     k_ref,  # [C, D] keys (float or int8 codes)
     v_ref,  # [C, D] values (float or int8 codes)
     pos_ref,  # [C] int32, -1 = empty
-    *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [G, D], lse_ref [Gp], logits_ref [G, C]?
+    *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D], lse_ref [Gp], logits_ref [Gp, C]?
     quantized: bool,
     scale: float,
     block_k: int,
@@ -138,20 +138,32 @@ def head_spec(*block) -> pl.BlockSpec:
 
 
 def split_out_shapes(q: Array, group: int, splits: int, slots: int, return_logits: bool):
-    """(out_shape, out_specs) of Partials for a grid (B, Hkv, S)."""
+    """(out_shape, out_specs) of the kernels' outputs for a grid (B, Hkv, S).
+
+    Outputs keep the Gp padded query rows (only the G real ones are ever written) so a tile is
+    stored with one masked store; `partials` slices them off. The allocation is Gp/G times the
+    written bytes (the traffic is not).
+    """
+    del group
     b, hkv, gp, d = q.shape
     shapes = [
-        jax.ShapeDtypeStruct((b, hkv, splits, group, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, splits, gp, d), jnp.float32),
         jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
     ]
     specs = [
-        pl.BlockSpec((None, None, None, group, d), lambda i, j, s: (i, j, s, 0, 0)),
+        pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (i, j, s, 0, 0)),
         pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
     ]
     if return_logits:
-        shapes.append(jax.ShapeDtypeStruct((b, hkv, group, slots), jnp.float32))
-        specs.append(head_spec(group, slots))
+        shapes.append(jax.ShapeDtypeStruct((b, hkv, gp, slots), jnp.float32))
+        specs.append(head_spec(gp, slots))
     return shapes, specs
+
+
+def partials(outs, group: int, return_logits: bool) -> Partials:
+    """The kernels' padded outputs as Partials of the G real query rows."""
+    logits = outs[2][:, :, :group] if return_logits else None
+    return Partials(outs[0][:, :, :, :group], outs[1][..., :group], logits)
 
 
 @functools.partial(
@@ -236,4 +248,4 @@ def decode_attention_triton(
         interpret=interpret,
         name="kvjax_decode_int8" if quantized else "kvjax_decode_full",
     )(*arrays)
-    return Partials(outs[0], outs[1][..., :group], outs[2] if return_logits else None)
+    return partials(outs, group, return_logits)

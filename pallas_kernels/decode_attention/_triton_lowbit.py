@@ -23,6 +23,7 @@ from kvjax.pallas_kernels.decode_attention._triton import (
     dot_f32,
     head_spec,
     pad_group,
+    partials,
     split_out_shapes,
     split_range,
     store_rows,
@@ -58,9 +59,9 @@ def _kernel(
     vs_ref,  # [P, Tp, NG] f32 value scale per token and channel group
     vz_ref,  # [P, Tp, NG] f32 value zero
     pos_ref,  # [P, Tp] int32, -1 = not attended
-    o_ref,  # [G, D] f32
+    o_ref,  # [Gp, D] f32 (rows >= G never written)
     lse_ref,  # [Gp] f32
-    *logits_ref,  # [G, P·Tp] f32 (return_logits)
+    *logits_ref,  # [Gp, P·Tp] f32 (return_logits; rows >= G never written)
     bits: int,
     scale: float,
     num_splits: int,
@@ -222,4 +223,4 @@ def decode_attention_lowbit_triton(
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",
     )(*arrays)
-    return Partials(outs[0], outs[1][..., :group], outs[2] if return_logits else None)
+    return partials(outs, group, return_logits)
