@@ -158,6 +158,8 @@ def shadow_pass(
     """
     tokens = np.asarray(tokens, np.int32)
     s, p = tokens.shape[0], prompt_tokens
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if not 1 <= p <= s - window:
         raise ValueError(f"prompt tokens must be in [1, {s - window}] for {s} tokens, got {p}")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
