@@ -63,6 +63,8 @@ class KVpopPolicy(RankedPolicy):
         window: w, newest tokens never evicted (paper: 256 at B = 2048; ours: 32, the window the
             shipped scorers were trained with — their mLSTM reads a token w tokens late).
         scorer: shipped scorer name (`mlstm`, `mlp`) or a scorer file path.
+        decay: λ, temporal decay (ours, default 0): priority = r̂_t + λ·t, the teacher's "+ temporal
+            decay" (−λ·(q − t) ranks like +λ·t at any q, so priorities stay static).
     """
 
     name = "kvpop"
@@ -70,6 +72,7 @@ class KVpopPolicy(RankedPolicy):
     sinks: int = 4
     window: int = 32
     scorer: str = "mlstm"
+    decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
@@ -81,6 +84,8 @@ class KVpopPolicy(RankedPolicy):
                 f"KVpopPolicy.budget ({self.budget}) must exceed sinks + window "
                 f"({self.sinks} + {self.window}): no long-range slots are left"
             )
+        if not self.decay >= 0:
+            raise ValueError(f"KVpopPolicy.decay must be >= 0, got {self.decay}")
         self._check()
         _scorer(str(resolve_scorer(self.scorer)))  # a missing or bad file fails here
 
@@ -109,6 +114,12 @@ class KVpopPolicy(RankedPolicy):
         return tuple(init_mlstm_state(self.scorer_config, spec.batch) for _ in spec.capacities)
 
     # Priorities are static: attention mass never changes them; new tokens get theirs on leaving.
+    def priority(self, score, pos, cur, layer_index):
+        del cur, layer_index
+        if self.decay == 0:
+            return score
+        return score + jnp.float32(self.decay) * pos.astype(jnp.float32)
+
     def update_score(self, score, mass, pos, cur, state, layer_index):
         del mass, pos, cur, state, layer_index
         return score

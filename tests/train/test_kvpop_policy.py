@@ -36,12 +36,15 @@ def _expected(prio, p, sinks, window, k):
     return set(range(min(sinks, p + 1))) | set(range(max(0, p - window + 1), p + 1)) | set(best)
 
 
-@pytest.mark.parametrize("kind", ["mlstm", "mlp", "mlstm-immediate"])
+@pytest.mark.parametrize(
+    ("kind", "decay"), [("mlstm", 0.0), ("mlp", 0.0), ("mlstm-immediate", 0.0), ("mlp", 0.05)]
+)
 @pytest.mark.parametrize("chunks", [[1] * S, [5, 1, 7, 3, 1, 1, 9, 2, 11, 8]])
-def test_running_top_k_equals_brute_force(kind, chunks, tmp_path):
+def test_running_top_k_equals_brute_force(kind, decay, chunks, tmp_path):
     sinks, window, k = 2, 4, 6
     scorer = _scorer(kind, tmp_path)
-    policy = KVpopPolicy(budget=sinks + window + k, sinks=sinks, window=window, scorer=scorer)
+    budget = sinks + window + k
+    policy = KVpopPolicy(budget=budget, sinks=sinks, window=window, scorer=scorer, decay=decay)
     spec = policy.cache_spec(
         batch=B, num_layers=2, num_kv_heads=H, head_dim=D, max_len=S, dtype=jnp.float32
     )
@@ -54,7 +57,7 @@ def test_running_top_k_equals_brute_force(kind, chunks, tmp_path):
     prio = make_scorer(config).apply(
         {"params": params}, stacked(k_all), stacked(v_all), window=window
     )
-    prio = np.asarray(prio[:, 1])  # [B, H, S]
+    prio = np.asarray(prio[:, 1]) + np.float32(decay) * np.arange(S, dtype=np.float32)  # [B, H, S]
     write = jax.jit(policy.write, static_argnames="layer_index")
     start = 0
     for n in chunks:
@@ -97,6 +100,7 @@ def test_scorer_that_does_not_fit_the_model():
         ({"budget": 6, "sinks": 2, "window": 4}, "must exceed sinks \\+ window"),
         ({"budget": 16, "window": 0}, "window must be >= 1"),
         ({"budget": 16, "sinks": -1}, "sinks must be >= 0"),
+        ({"budget": 16, "window": 4, "decay": -0.1}, "decay must be >= 0"),
         ({"budget": 16, "window": 4, "scorer": "/nonexistent.msgpack"}, "no scorer file"),
     ],
 )
