@@ -125,3 +125,37 @@ def test_window_out_of_range():
     params = init_scorer_params(cfg, jax.random.key(0))
     with pytest.raises(ValueError, match="window"):
         make_scorer(cfg).apply({"params": params}, k, v, window=S)
+
+
+@pytest.mark.parametrize("name", ["mlstm", "mlp"])
+def test_shipped_scorers_fit_the_default_model_and_beat_the_baselines(name):
+    """The shipped files load, fit SmolLM2-135M, are package data, stay small, and their recorded
+    held-out boundary accuracy (measured on the stored float16 parameters) beats recency and H2O
+    at the budget they were trained for."""
+    import tomllib
+
+    from kvjax.models import SMOLLM2_135M
+    from kvjax.scorers import SHIPPED
+
+    cfg, params, meta = load_scorer(name)
+    m = SMOLLM2_135M
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (
+        m.num_layers,
+        m.num_kv_heads,
+        m.head_dim,
+    )
+    assert SHIPPED[name].stat().st_size < 4 * 2**20
+    root = SHIPPED[name].parents[3]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "data/*.msgpack" in data["package-data"]["kvjax.scorers"]
+    acc = meta["accuracy"]
+    assert acc["decisions"] > 100_000
+    assert acc["scorer"] > acc["h2o"] + 0.1 and acc["scorer"] > acc["recency"] + 0.1
+    assert meta["config"]["labels"] == {
+        "sinks": 4,
+        "window": 32,
+        "k": 96,
+        "aggregate": "max",
+        "decay": 0.0,
+        "weighting": "uniform",
+    }
