@@ -115,3 +115,25 @@ def test_registry():
     assert isinstance(p, KVpopPolicy) and p.sinks == 4 and p.capacity(100) == 16
     with pytest.raises(ValueError, match="needs a budget"):
         make_policy("kvpop", window=4, scorer=_scorer("mlstm"))
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_recency_dominated_priorities_reproduce_streaming_llm(tiny_llama, kind):
+    """With a huge temporal decay the priority is the position, so sinks + window + the k newest
+    of the rest is StreamingLLM at the same budget: the same NLL through the whole loop (decode
+    and chunked prefill), up to float32 summation order (slots sit in other places)."""
+    from kvjax.generate import score_tokens
+    from kvjax.policies import StreamingPolicy
+
+    config, params = tiny_llama
+    ids = np.random.default_rng(1).integers(0, 128, size=(2, 40))
+    kv = KVpopPolicy(budget=12, sinks=2, window=3, scorer=_scorer(kind), decay=1e3)
+    for chunk in (1, 4):
+        run = lambda p, c=chunk: np.asarray(
+            score_tokens(config, params, ids, policy=p, chunk=c).nll
+        )
+        want = run(StreamingPolicy(budget=12, sinks=2))
+        np.testing.assert_allclose(run(kv), want, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(
+            run(KVpopPolicy(budget=12, sinks=2, window=3, scorer=_scorer(kind))), want
+        )
