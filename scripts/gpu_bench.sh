@@ -76,6 +76,11 @@ case "${1:-foundation}" in
           w=${job#compare-}
           run compare --model $M --windows "$w" --tokens 2048 --out-dir "$OUT/compare_w$w" \
             --json > /dev/null ;;
+        compare-qevict)  # QEvict vs H2O, CONF-KV, KIVI, full at 5/10/20% of the 2048-token cache
+          run compare --model $M --windows 102 205 410 --tokens 2048 \
+            --rows full h2o confkv+int8 kivi qevict --out-dir "$OUT/compare_qevict" --json > /dev/null
+          run compare --model $M --windows 205 --tokens 2048 --rows qevict-int4 \
+            --out-dir "$OUT/compare_qevict_int4" --json > /dev/null ;;
         niah-4k)  # budgeted policies where the full cache still solves most depths
           run niah --model $M --policy streaming h2o confkv --budget 1024 --lengths 4096 \
             --depths 0 25 50 75 100 --protocol both --out-dir "$OUT/niah_b1024" --json > /dev/null ;;

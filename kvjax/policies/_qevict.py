@@ -43,6 +43,9 @@ class QEvictPolicy(Policy):
         quant_share: q, the share of the routed budget the low-bit tier takes under pressure.
         bits: code width of the low-bit tier (2, 4 or 8).
         value_group: channels per value scale/zero (None: one group per token, as the paper).
+        moves: windows an event may quantize, and windows it may bring into full precision, per
+            KV head on the fast path that reads only those windows; an event needing more runs
+            the exact path over every candidate (same result, more bytes). None: always that.
     """
 
     name = "qevict"
@@ -53,6 +56,7 @@ class QEvictPolicy(Policy):
     quant_share: float = 0.5
     bits: int = 2
     value_group: int | None = None
+    moves: int | None = 16
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -66,6 +70,8 @@ class QEvictPolicy(Policy):
             )
         if not 0.0 <= self.quant_share <= 1.0:
             raise ValueError(f"QEvictPolicy.quant_share must be in [0, 1], got {self.quant_share}")
+        if self.moves is not None and self.moves < 1:
+            raise ValueError(f"QEvictPolicy.moves must be >= 1 or None, got {self.moves}")
         if self.bits not in BITS:
             raise ValueError(f"QEvictPolicy.bits must be one of {BITS}, got {self.bits}")
         if self.budget <= self.sinks + self.local_band + self.window:
@@ -197,7 +203,7 @@ class QEvictPolicy(Policy):
         event = l1 > l0
         return jax.lax.cond(
             jnp.any(event),
-            lambda x: route(x, lay, new_k, new_v, new_score, win, event),
+            lambda x: route(x, lay, new_k, new_v, new_score, win, event, moves=self.moves),
             lambda x: x,
             layer,
         )

@@ -20,14 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import LayerCache
-from kvjax.quant import (
-    dequantize_per_channel,
-    dequantize_per_token,
-    pack,
-    quantize_per_channel,
-    quantize_per_token,
-    unpack,
-)
+from kvjax.policies._qevict_move import move_windows, put
 
 Array = jax.Array
 
@@ -133,14 +126,6 @@ def _allocate(need: Array, free: Array, size: int) -> Array:
     return jnp.where(need, _take(free_idx, r), size) if size else jnp.full_like(r, size)
 
 
-def _put(a: Array, idx: Array, x: Array) -> Array:
-    """a[b, h, idx[b, h, n]] = x[b, h, n] (out-of-range idx dropped)."""
-    b, h = idx.shape[:2]
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    return a.at[bi, hi, idx].set(x.astype(a.dtype), mode="drop")
-
-
 def route(
     layer: LayerCache,
     lay: Layout,
@@ -149,6 +134,8 @@ def route(
     new_score: Array,
     new_win: Array,
     event: Array,
+    *,
+    moves: int | None = None,
 ) -> LayerCache:
     """One routing event: rank the resident windows and the K windows leaving the ring.
 
@@ -159,17 +146,16 @@ def route(
         new_score: [B, H, K, ω] float32 their tokens' cumulative scores.
         new_win: [B, K] int32 their window ids (-1 = none).
         event: [B] bool, this batch row routes now (other rows keep their tiers).
+        moves: fast-path bound on windows quantized and on windows entering full precision
+            per event and KV head (None: always take the path over every candidate).
 
     Returns:
         The updated layer.
     """
     b, h = layer.pos.shape[:2]
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
-    d = layer.k.shape[-1]
     kk = new_win.shape[-1]
     lb, led = layer.lowbit, layer.aux.fp_ledger
-    fp_k = layer.k[:, :, base:].reshape(b, h, f, w, d)
-    fp_v = layer.v[:, :, base:].reshape(b, h, f, w, d)
     fp_pos = layer.pos[:, :, base:].reshape(b, h, f, w)
     fp_win = jnp.where(fp_pos[..., 0] >= 0, (fp_pos[..., 0] - lay.sinks) // w, -1)
     fp_score = jnp.sum(layer.score[:, :, base:].reshape(b, h, f, w), axis=-1)
@@ -194,7 +180,7 @@ def route(
     stay_fp = (fp_win >= 0) & (t_fp == FP)
     promote = active & (t_pg == FP)
     link = jnp.full((b, h, npg), EVICTED, jnp.int32)
-    link = _put(link, jnp.where(led >= 0, led, npg), jnp.where(fp_win >= 0, t_fp, EVICTED))
+    link = put(link, jnp.where(led >= 0, led, npg), jnp.where(fp_win >= 0, t_fp, EVICTED))
     held = (active & (t_pg != EVICTED)) | (link != EVICTED)
     # Windows quantized now (first demotion): full-precision slots without a ledger, new windows.
     need_q = jnp.concatenate([(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT], -1)
@@ -203,57 +189,47 @@ def route(
     need_fp = jnp.concatenate([promote, t_new == FP], -1)
     fp_dst = _allocate(need_fp, ~stay_fp, f)  # [B, H, P + K]
 
-    # Low-bit tier: free, dormant, reactivated, then freshly quantized pages.
-    tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    new_pos = lay.sinks + nwin[..., None] * w + tok  # [B, H, K, ω]
-    pos = jnp.where((held & ~promote)[..., None], lb.pos, -1)
-    pos = _put(pos, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_pos)
-    pg_score = _put(lb.score, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_score)
-    src_k = jnp.concatenate([fp_k, new_k.astype(fp_k.dtype)], axis=2)  # [B, H, F + K, ω, D]
-    src_v = jnp.concatenate([fp_v, new_v.astype(fp_v.dtype)], axis=2)
-    kc, ks, kz = quantize_per_channel(src_k, lb.bits)
-    vc, vs, vz = quantize_per_token(src_v, lb.bits, d // lb.v_scale.shape[-1])
-    src_pos = jnp.concatenate([fp_pos, new_pos], axis=2)
-    src_score = jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    lb = lb.replace(
-        k=_put(lb.k, page_dst, pack(kc, lb.bits)),
-        v=_put(lb.v, page_dst, pack(vc, lb.bits)),
-        k_scale=_put(lb.k_scale, page_dst, ks),
-        k_zero=_put(lb.k_zero, page_dst, kz),
-        v_scale=_put(lb.v_scale, page_dst, vs),
-        v_zero=_put(lb.v_zero, page_dst, vz),
-        pos=_put(pos, page_dst, src_pos),
-        score=_put(pg_score, page_dst, src_score),
-        held=_put(held, page_dst, jnp.ones(page_dst.shape, bool)),
-    )
-
-    # Full-precision windows: promoted pages come back dequantized from their ledger.
-    deq_k = dequantize_per_channel(
-        unpack(layer.lowbit.k, lb.bits), layer.lowbit.k_scale, layer.lowbit.k_zero, layer.k.dtype
-    )
-    deq_v = dequantize_per_token(
-        unpack(layer.lowbit.v, lb.bits), layer.lowbit.v_scale, layer.lowbit.v_zero, layer.v.dtype
-    )
-    in_k = jnp.concatenate([deq_k, new_k.astype(layer.k.dtype)], axis=2)  # [B, H, P + K, ω, D]
-    in_v = jnp.concatenate([deq_v, new_v.astype(layer.v.dtype)], axis=2)
-    first = (tok == 0).astype(jnp.float32)
-    in_score = jnp.concatenate([layer.lowbit.score[..., None] * first, new_score], axis=2)
-    in_pos = jnp.concatenate([layer.lowbit.pos, new_pos], axis=2)
-    slot = jnp.where(fp_dst[..., None] < f, base + fp_dst[..., None] * w + tok, layer.capacity)
-    slot = slot.reshape(b, h, -1)  # [B, H, (P + K)·ω] token slots
-    flat = lambda x: x.reshape(b, h, slot.shape[-1], *x.shape[4:])
+    # Only windows that change storage are read: the first `moves` of each kind on the fast
+    # path; an event that moves more takes the exact path over every candidate.
+    n_q, n_fp = need_q.shape[-1], need_fp.shape[-1]
     keep_pos = jnp.where(stay_fp[..., None], fp_pos, -1).reshape(b, h, f * w)
     all_pos = jax.lax.dynamic_update_slice_in_dim(layer.pos, keep_pos, base, axis=2)
-    fp_led = jnp.where(stay_fp, led, -1)
-    page_idx = jnp.arange(npg, dtype=jnp.int32)
-    src_led = jnp.concatenate(
-        [jnp.broadcast_to(page_idx, (b, h, npg)), jnp.full((b, h, kk), -1, jnp.int32)], -1
+    everything = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, h, n))
+    first = lambda need, n: jnp.argsort(~need, axis=-1, stable=True)[..., :n].astype(jnp.int32)
+    move = lambda sq, sf: move_windows(
+        layer, lay, new_k, new_v, new_score, nwin, page_dst, fp_dst, sq, sf, all_pos
     )
+    if moves is None or moves >= max(n_q, n_fp):
+        moved = move(everything(n_q), everything(n_fp))
+    else:
+        many = jnp.any(jnp.sum(need_q, -1) > moves) | jnp.any(jnp.sum(need_fp, -1) > moves)
+        moved = jax.lax.cond(
+            many,
+            lambda: move(everything(n_q), everything(n_fp)),
+            lambda: move(first(need_q, moves), first(need_fp, moves)),
+        )
+    lb_new, k_new, v_new, pos_new, score_new = moved
+
+    # Metadata of every page and slot (small arrays).
+    lb = layer.lowbit
+    pos = jnp.where((held & ~promote)[..., None], lb.pos, -1)
+    pos = put(pos, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_pos)
+    pg_score = put(lb.score, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_score)
+    tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
+    src_pos = jnp.concatenate([fp_pos, lay.sinks + nwin[..., None] * w + tok], axis=2)
+    src_score = jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], axis=-1)
+    lb = lb_new.replace(
+        pos=put(pos, page_dst, src_pos),
+        score=put(pg_score, page_dst, src_score),
+        held=put(held, page_dst, jnp.ones(page_dst.shape, bool)),
+    )
+    fp_led = jnp.where(stay_fp, led, -1)
+    src_led = jnp.concatenate([everything(npg), jnp.full((b, h, kk), -1, jnp.int32)], -1)
     return layer.replace(
-        k=_put(layer.k, slot, flat(in_k)),
-        v=_put(layer.v, slot, flat(in_v)),
-        pos=_put(all_pos, slot, flat(in_pos)),
-        score=_put(layer.score, slot, flat(in_score)),
+        k=k_new,
+        v=v_new,
+        pos=pos_new,
+        score=score_new,
         lowbit=lb,
-        aux=QEvictAux(fp_ledger=_put(fp_led, fp_dst, src_led)),
+        aux=QEvictAux(fp_ledger=put(fp_led, fp_dst, src_led)),
     )

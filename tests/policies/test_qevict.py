@@ -20,32 +20,34 @@ from kvjax.quant import unpack
 H, D = 2, 8
 
 
-def make(budget=40, **kw):
+def make(budget=40, batch=1, **kw):
     kw = {"window": 4, "sinks": 2, "band": 8, **kw}
     policy = QEvictPolicy(budget=budget, **kw)
     spec = policy.cache_spec(
-        batch=1, num_layers=1, num_kv_heads=H, head_dim=D, max_len=0, dtype=jnp.float32
+        batch=batch, num_layers=1, num_kv_heads=H, head_dim=D, max_len=0, dtype=jnp.float32
     )
     return policy, spec
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _write(policy, layer, k, v, n0, table):
-    """One call of T tokens at n0; `table` [H, S] is this call's attention mass per position."""
-    t = k.shape[1]
-    pos = n0 + jnp.arange(t, dtype=jnp.int32)[None, :]
+def _write(policy, layer, k, v, n0, n_valid, table):
+    """One call of T tokens per row at n0 [B], the first n_valid [B] of them real; `table`
+    [B, H, S] is this call's attention mass per position."""
+    b, t = k.shape[:2]
+    pos = n0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
 
     def look(p):
-        got = jnp.take_along_axis(table[None], jnp.maximum(p, 0).reshape(1, H, -1), axis=2)
-        return jnp.where(p >= 0, got.reshape(p.shape), 0.0)
+        idx = jnp.clip(p, 0, table.shape[-1] - 1).reshape(b, H, -1)
+        got = jnp.take_along_axis(table, idx, axis=2).reshape(p.shape)
+        return jnp.where(p >= 0, got, 0.0)
 
     stats = AttnStats(
         slot_mass=look(layer.pos),
-        new_mass=jax.lax.dynamic_slice_in_dim(table, n0, t, axis=1)[None],
-        lse=jnp.zeros((1, t, H)),
+        new_mass=look(jnp.broadcast_to(jnp.where(valid, pos, -1)[:, None, :], (b, H, t))),
+        lse=jnp.zeros((b, t, H)),
         lowbit_mass=look(layer.lowbit.pos),
     )
-    valid = jnp.ones((1, t), bool)
     return policy.write(layer, k, v, pos, valid, stats, None, layer_index=0)
 
 
@@ -73,27 +75,37 @@ def ledger_of(layer, h):
     return out
 
 
-def run(policy, spec, chunks, seed, spikes=0.05):
-    """Drive the jitted policy and the reference; compare after every call. Returns the heads."""
+def run(policy, spec, chunks, seed, spikes=0.05, lag=0):
+    """Drive the jitted policy and the reference; compare after every call. Returns the heads.
+
+    With spec.batch = 2, row 1 has `lag` fewer real tokens in the first call (padding), so the
+    rows reach routing events on different calls."""
     lay = policy.layout(D, jnp.float32)
     rng = np.random.default_rng(seed)
-    n = sum(chunks)
-    data = rng.standard_normal((2, n, H, D)).astype(np.float32)
+    rows, n = spec.batch, sum(chunks)
+    t_max = max(chunks)
+    data = rng.standard_normal((rows, 2, n + t_max, H, D)).astype(np.float32)
     layer = policy.empty_cache(spec).layers[0]
-    heads = [Head(policy, lay, spec.lowbit_value_group) for _ in range(H)]
-    first_codes = [{} for _ in range(H)]
-    n0 = 0
-    for t in chunks:
+    heads = [[Head(policy, lay, spec.lowbit_value_group) for _ in range(H)] for _ in range(rows)]
+    first_codes = [[{} for _ in range(H)] for _ in range(rows)]
+    n0 = np.zeros(rows, np.int32)
+    for c, t in enumerate(chunks):
+        n_valid = np.array([t - (lag if (r and c == 0) else 0) for r in range(rows)], np.int32)
         # Integer masses keep every sum exact, so ranks (and ties) agree bit for bit.
-        table = rng.integers(0, 10, (H, n)).astype(np.float32)
-        table += 200 * (rng.random((H, n)) < spikes)
-        layer = _write(policy, layer, data[0:1, n0 : n0 + t], data[1:2, n0 : n0 + t], n0, table)
-        for h, head in enumerate(heads):
-            mass = functools.partial(lambda row, p: row[p], table[h])
-            head.call(data[0, n0 : n0 + t, h], data[1, n0 : n0 + t, h], n0, mass)
-        n0 += t
-        check(policy, lay, layer, heads, first_codes, n0)
-    return heads
+        table = rng.integers(0, 10, (rows, H, n)).astype(np.float32)
+        table += 200 * (rng.random((rows, H, n)) < spikes)
+        ks = np.stack([data[r, 0, n0[r] : n0[r] + t] for r in range(rows)])
+        vs = np.stack([data[r, 1, n0[r] : n0[r] + t] for r in range(rows)])
+        layer = _write(policy, layer, ks, vs, n0.copy(), n_valid, table)  # n0 changes below
+        for r in range(rows):
+            m = n_valid[r]
+            for h, head in enumerate(heads[r]):
+                mass = functools.partial(lambda row, p: row[p], table[r, h])
+                head.call(ks[r, :m, h], vs[r, :m, h], int(n0[r]), mass)
+            n0[r] += m
+            one = jax.tree.map(lambda a, r=r: a[r : r + 1], layer)
+            check(policy, lay, one, heads[r], first_codes[r], int(n0[r]))
+    return [h for row in heads for h in row]
 
 
 def check(policy, lay, layer, heads, first_codes, n):
@@ -143,9 +155,12 @@ def live_bytes_of(layer):
     seed=st.integers(0, 2**16),
     chunks=st.lists(st.sampled_from([1, 1, 1, 2, 5, 9]), min_size=8, max_size=30),
     share=st.sampled_from([0.25, 0.5, 0.75]),
+    moves=st.sampled_from([None, 1, 2]),
 )
-def test_matches_reference_on_random_streams(seed, chunks, share):
-    policy, spec = make(quant_share=share)
+def test_matches_reference_on_random_streams(seed, chunks, share, moves):
+    """moves 1/2: most events take the fast path that reads only moving windows, the others the
+    exact path; None: always the exact path."""
+    policy, spec = make(quant_share=share, moves=moves)
     run(policy, spec, chunks, seed)
 
 
@@ -156,6 +171,11 @@ def test_promote_demote_cycles_keep_ledger_codes(bits):
     policy, spec = make(budget=44, bits=bits, quant_share=0.5)
     heads = run(policy, spec, [1] * 120, seed=3, spikes=0.08)
     assert sum(h.promotions for h in heads) >= 3
+
+
+def test_batch_rows_with_different_lengths_route_on_their_own_events():
+    policy, spec = make(batch=2)
+    run(policy, spec, [6] + [1] * 50, seed=5, spikes=0.1, lag=3)
 
 
 def test_budget_large_enough_keeps_everything_full_precision():
@@ -196,3 +216,22 @@ def test_generate_stays_within_byte_budget_and_uses_the_low_bit_tier(tiny_llama)
     assert live.max() <= policy.budget * tok * config.num_kv_heads * config.num_layers
     pages = np.asarray(out.telemetry.live_slots)[..., 2]
     assert pages.max() > 0  # windows did go to the low-bit tier
+
+
+def test_batch_rows_route_independently(tiny_llama):
+    """Rows of a batch reach routing events on different steps; each row's result equals the
+    row run alone (a row without an event keeps its tiers)."""
+    from kvjax.generate import GenerateConfig, generate
+
+    config, params = tiny_llama
+    policy = QEvictPolicy(budget=40, window=4, sinks=2, band=8)
+    gen = GenerateConfig(max_new_tokens=30, chunk_size=8)
+    prompts = [list(range(1, 38)), list(range(5, 16))]
+    both = generate(config, params, prompts, policy=policy, gen=gen)
+    for i, prompt in enumerate(prompts):
+        alone = generate(config, params, [prompt], policy=policy, gen=gen)
+        np.testing.assert_array_equal(np.asarray(both.tokens)[i], np.asarray(alone.tokens)[0])
+        np.testing.assert_array_equal(
+            np.asarray(both.telemetry.live_slots)[:, i],
+            np.asarray(alone.telemetry.live_slots)[:, 0],
+        )
