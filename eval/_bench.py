@@ -56,10 +56,13 @@ def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
         h, d = layer.k.shape[1], layer.k.shape[3]
         k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
         v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
+        tier = lambda t: None if t is None else jax.random.uniform(km, t.pos.shape)
         stats = AttnStats(
             slot_mass=jax.random.uniform(km, layer.pos.shape),
             new_mass=jax.random.uniform(km, (b, h, chunk)),
             lse=jnp.zeros((b, chunk, 1)),
+            int8_mass=tier(layer.int8),
+            lowbit_mass=tier(layer.lowbit),
         )
         layers.append(
             policy.write(layer, k, v, pos, valid, stats, cache.policy_state, layer_index=i)

@@ -39,3 +39,24 @@ def test_bench_rejects_ragged_fill(tiny_llama):
         bench_decode(
             config, params, make_policy("full"), context=100, batch=1, steps=1, fill_chunk=64
         )
+
+
+@pytest.mark.parametrize("name,budget", [("confkv", 160), ("qevict", 64)])
+def test_bench_decode_runs_tiered_policies(tiny_llama, name, budget):
+    """Policies with INT8 or low-bit tiers get their tiers' attention mass in the synthetic fill;
+    live bytes stay within what the budget allows."""
+    config, params = tiny_llama
+    policy = make_policy(name, budget, num_layers=config.num_layers)
+    r = bench_decode(
+        config,
+        params,
+        policy,
+        context=256,
+        batch=1,
+        steps=4,
+        budget=budget,
+        fill_chunk=64,
+        copy_bytes=1 << 20,
+    )
+    slot = 2 * config.head_dim * 4
+    assert 0 < r.live_kv_bytes <= config.num_layers * config.num_kv_heads * budget * slot
