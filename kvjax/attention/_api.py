@@ -34,7 +34,7 @@ def attend(
     *,
     query_weight: Array | None = None,
     scale: float | None = None,
-    implementation: Implementation = "xla",
+    implementation: Implementation = "auto",
 ) -> tuple[Array, AttnStats]:
     """Attention of this call's queries over the layer's cache and this call's own tokens.
 

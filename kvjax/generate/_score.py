@@ -76,7 +76,7 @@ def score_tokens(
     chunk: int = 1,
     segment: int = 256,
     cache_dtype=None,
-    implementation: Implementation = "xla",
+    implementation: Implementation = "auto",
     progress: bool = False,
 ) -> ScoreOutput:
     """Teacher-forced NLL of every token after the first, through the policy's cache.

@@ -26,7 +26,7 @@ def model_step(
     valid: Array,
     *,
     query_weight: Array | None = None,
-    implementation: Implementation = "xla",
+    implementation: Implementation = "auto",
 ) -> tuple[Array, Cache]:
     """Feed T tokens per sequence at positions cache.length + [0, T) and update the cache.
 

@@ -29,7 +29,7 @@ def prefill(
     lengths: Array,
     *,
     chunk_size: int,
-    implementation: Implementation = "xla",
+    implementation: Implementation = "auto",
 ) -> tuple[Cache, Array]:
     """Stream right-padded prompts into the cache through the policy, chunk by chunk.
 

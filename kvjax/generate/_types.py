@@ -72,7 +72,7 @@ class GenerateConfig:
     stop_tokens: tuple[int, ...] = ()
     chunk_size: int = 256
     cache_dtype: str | None = None
-    implementation: Implementation = "xla"
+    implementation: Implementation = "auto"
     pad_id: int = 0
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ def forward(
     cache: Cache,
     *,
     query_weight: Array | None = None,
-    implementation: Implementation = "xla",
+    implementation: Implementation = "auto",
     return_queries: bool = False,
 ) -> ForwardOutput:
     """Run the model on T new tokens per sequence, attending over the cache plus themselves.
