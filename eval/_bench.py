@@ -56,7 +56,7 @@ def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
         h, d = layer.k.shape[1], layer.k.shape[3]
         k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
         v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
-        tier = lambda t: None if t is None else jax.random.uniform(km, t.pos.shape)
+        tier = lambda t, km=km: None if t is None else jax.random.uniform(km, t.pos.shape)
         stats = AttnStats(
             slot_mass=jax.random.uniform(km, layer.pos.shape),
             new_mass=jax.random.uniform(km, (b, h, chunk)),
