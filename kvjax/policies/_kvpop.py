@@ -63,8 +63,9 @@ class KVpopPolicy(RankedPolicy):
         window: w, newest tokens never evicted (paper: 256 at B = 2048; ours: 32, the window the
             shipped scorers were trained with — their mLSTM reads a token w tokens late).
         scorer: shipped scorer name (`mlstm`, `mlp`) or a scorer file path.
-        decay: λ, temporal decay (ours, default 0): priority = r̂_t + λ·t, the teacher's "+ temporal
-            decay" (−λ·(q − t) ranks like +λ·t at any q, so priorities stay static).
+        decay: λ, temporal decay: priority = r̂_t + λ·t, METHODS' "+ temporal decay" (−λ·(q − t)
+            ranks like +λ·t at any q, so priorities stay static). Ours: 0.005 per token, the best
+            of {0, 0.005, 0.01, 0.02} on a tuning essay (docs/results.md).
     """
 
     name = "kvpop"
@@ -72,7 +73,7 @@ class KVpopPolicy(RankedPolicy):
     sinks: int = 4
     window: int = 32
     scorer: str = "mlstm"
-    decay: float = 0.0
+    decay: float = 0.005
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
