@@ -216,22 +216,3 @@ def test_generate_stays_within_byte_budget_and_uses_the_low_bit_tier(tiny_llama)
     assert live.max() <= policy.budget * tok * config.num_kv_heads * config.num_layers
     pages = np.asarray(out.telemetry.live_slots)[..., 2]
     assert pages.max() > 0  # windows did go to the low-bit tier
-
-
-def test_batch_rows_route_independently(tiny_llama):
-    """Rows of a batch reach routing events on different steps; each row's result equals the
-    row run alone (a row without an event keeps its tiers)."""
-    from kvjax.generate import GenerateConfig, generate
-
-    config, params = tiny_llama
-    policy = QEvictPolicy(budget=40, window=4, sinks=2, band=8)
-    gen = GenerateConfig(max_new_tokens=30, chunk_size=8)
-    prompts = [list(range(1, 38)), list(range(5, 16))]
-    both = generate(config, params, prompts, policy=policy, gen=gen)
-    for i, prompt in enumerate(prompts):
-        alone = generate(config, params, [prompt], policy=policy, gen=gen)
-        np.testing.assert_array_equal(np.asarray(both.tokens)[i], np.asarray(alone.tokens)[0])
-        np.testing.assert_array_equal(
-            np.asarray(both.telemetry.live_slots)[:, i],
-            np.asarray(alone.telemetry.live_slots)[:, 0],
-        )
