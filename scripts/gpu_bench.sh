@@ -76,7 +76,7 @@ case "${1:-foundation}" in
           w=${job#compare-}
           run compare --model $M --windows "$w" --tokens 2048 --out-dir "$OUT/compare_w$w" \
             --json > /dev/null ;;
-        compare-qevict)  # QEvict vs H2O, CONF-KV, KIVI, full at 5/10/20% of the 2048-token cache
+        qevict-compare)  # QEvict vs H2O, CONF-KV, KIVI, full at 5/10/20% of the 2048-token cache
           run compare --model $M --windows 102 205 410 --tokens 2048 \
             --rows full h2o confkv+int8 kivi qevict --out-dir "$OUT/compare_qevict" --json > /dev/null
           run compare --model $M --windows 205 --tokens 2048 --rows qevict-int4 \
