@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes
+from kvjax.generate import cache_spec_for
 from kvjax.models import ModelConfig
 from kvjax.policies import BUDGETLESS, Policy, make_policy
 from kvjax.weights import LoadedModel
@@ -35,14 +36,7 @@ def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsiz
     """Peak live bytes of the policy's cache for one sequence: every slot of every tier occupied,
     or the policy's own bound when it enforces a byte budget (QEvict)."""
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
-    spec = policy.cache_spec(
-        batch=1,
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_len=max_len,
-        dtype=dtype,
-    )
+    spec = cache_spec_for(config, policy, batch=1, max_len=max_len, dtype=dtype)
     bound = policy.live_bytes_bound(spec)
     if bound is not None:
         return bound

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import Cache, CacheSpec, live_bytes
-from kvjax.generate import GenerateConfig, generate_from_cache, prefill_cache
+from kvjax.generate import GenerateConfig, cache_spec_for, generate_from_cache, prefill_cache
 from kvjax.policies import Policy
 from kvjax.weights import LoadedModel
 
@@ -140,14 +140,7 @@ def run_niah(
     )
     cells = []
     for n, prompts in grid.items():
-        spec = policy.cache_spec(
-            batch=1,
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            max_len=n,
-            dtype=dtype,
-        )
+        spec = cache_spec_for(config, policy, batch=1, max_len=n, dtype=dtype)
         bucket = -(-n // chunk_size) * chunk_size
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
+from kvjax.generate._step import cache_spec_for
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
 from kvjax.generate._validate import check_lengths, check_tokens, pad_prompts
@@ -50,14 +51,7 @@ def generate(
         if not 0 <= s < config.vocab_size:
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")
     dtype = gen.cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    spec = policy.cache_spec(
-        batch=len(prompts),
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_len=max_len,
-        dtype=dtype,
-    )
+    spec = cache_spec_for(config, policy, batch=len(prompts), max_len=max_len, dtype=dtype)
     return _generate(
         config,
         policy,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache
+from kvjax.cache import Cache, CacheSpec
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
 
@@ -73,9 +73,12 @@ def model_step(
     return out.logits, new_cache
 
 
-def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
-    """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
-    spec = policy.cache_spec(
+def cache_spec_for(
+    config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype
+) -> CacheSpec:
+    """The cache `policy` needs for this model and `batch` sequences of at most `max_len`
+    tokens."""
+    return policy.cache_spec(
         batch=batch,
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -83,4 +86,10 @@ def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, 
         max_len=max_len,
         dtype=dtype,
     )
-    return policy.empty_cache(spec)
+
+
+def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
+    """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
+    return policy.empty_cache(
+        cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
+    )
