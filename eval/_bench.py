@@ -2,7 +2,9 @@
 
 The cache is filled synthetically (random K/V written through the policy, no model forward), so
 32K-token contexts of 8B-shaped models cost seconds; each timed step is a real model step.
-Reports time per step, tokens/s and bytes read per step against a measured copy bandwidth.
+Reports time per step, tokens/s and bytes read per step against a measured copy bandwidth, the
+policy's own per-step cost (its cache update timed alone, without the model or attention) and
+the device allocator's peak (on GPU/TPU; run one policy per process for a per-policy peak).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class DecodeBench:
     floor_ms: float  # (weights + live KV) bytes / measured copy bandwidth
     copy_gbps: float  # measured device copy bandwidth (bytes read + written)
     achieved_gbps: float  # (weights + live KV) bytes read per step / time per step
+    policy_ms_per_step: float  # the policy's cache update alone (write of one token, all layers)
+    peak_device_bytes: int | None  # the device allocator's peak so far (None where unreported)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
@@ -96,17 +100,57 @@ def _decode(
     return jax.lax.fori_loop(0, steps, body, (cache, tok))
 
 
-def copy_bandwidth(n_bytes: int) -> float:
-    """Measured device copy bandwidth in GB/s (bytes read + written)."""
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Cache:
+    """`steps` one-token writes through the policy, every layer, no model and no attention:
+    the policy's own per-step cost. Inputs (K/V, masses) are drawn once outside the loop."""
+    b = cache.length.shape[0]
+    inputs = []
+    for layer in cache.layers:
+        key, kk, km = jax.random.split(key, 3)
+        h, d = layer.k.shape[1], layer.k.shape[3]
+        kv = jax.random.normal(kk, (2, b, 1, h, d), layer.k.dtype)
+        tier = lambda t, km=km: None if t is None else jax.random.uniform(km, t.pos.shape)
+        stats = AttnStats(
+            slot_mass=jax.random.uniform(km, layer.pos.shape),
+            new_mass=jax.random.uniform(km, (b, h, 1)),
+            lse=jnp.zeros((b, 1, 1)),
+            int8_mass=tier(layer.int8),
+            lowbit_mass=tier(layer.lowbit),
+        )
+        inputs.append((kv, stats))
+
+    def body(_, cache):
+        pos = cache.length[:, None]
+        valid = jnp.ones((b, 1), bool)
+        layers = tuple(
+            policy.write(layer, kv[0], kv[1], pos, valid, st, cache.policy_state, layer_index=i)
+            for i, (layer, (kv, st)) in enumerate(zip(cache.layers, inputs, strict=True))
+        )
+        return Cache(layers=layers, length=cache.length + 1, policy_state=cache.policy_state)
+
+    return jax.lax.fori_loop(0, steps, body, cache)
+
+
+def peak_device_bytes() -> int | None:
+    """The first device's allocator peak (bytes) so far; None where the backend has no stats."""
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else int(peak)
+
+
+def copy_bandwidth(n_bytes: int, iters: int = 10) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written): `iters` elementwise
+    passes over an n_bytes buffer inside one jitted loop (no dispatch or allocation timed)."""
     x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, iters, lambda _, a: a * 1.0001, a))
     f(x).block_until_ready()
     times = []
     for _ in range(5):
         t = time.perf_counter()
         f(x).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / np.median(times) / 1e9
+    return 2 * x.nbytes * iters / np.median(times) / 1e9
 
 
 def bench_decode(
@@ -127,7 +171,7 @@ def bench_decode(
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    cache = new_cache(config, policy, batch=batch, max_len=context + 2 * steps + 1, dtype=dtype)
+    cache = new_cache(config, policy, batch=batch, max_len=context + 4 * steps + 1, dtype=dtype)
     key = jax.random.key(0)
     for _ in range(context // fill_chunk):
         key, sub = jax.random.split(key)
@@ -141,6 +185,13 @@ def bench_decode(
     cache, tok = _decode(config, policy, steps, implementation, params, cache, tok)
     jax.block_until_ready(tok)
     sec = (time.perf_counter() - t) / steps
+    peak = peak_device_bytes()  # before the policy-only loop: the model's decode peak
+    cache = _policy_only(policy, steps, cache, key)  # compile
+    jax.block_until_ready(cache.length)
+    t = time.perf_counter()
+    cache = _policy_only(policy, steps, cache, key)
+    jax.block_until_ready(cache.length)
+    policy_sec = (time.perf_counter() - t) / steps
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     bw = copy_bandwidth(copy_bytes)
     return DecodeBench(
@@ -160,4 +211,6 @@ def bench_decode(
         floor_ms=(w_bytes + kv_live) / (bw * 1e9) * 1e3,
         copy_gbps=bw,
         achieved_gbps=(w_bytes + kv_live) / sec / 1e9,
+        policy_ms_per_step=policy_sec * 1e3,
+        peak_device_bytes=peak,
     )

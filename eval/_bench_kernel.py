@@ -4,7 +4,8 @@ dequantize-then-attend, on the same shapes, in µs and achieved TB/s of the byte
 Every row is timed the same way: `iters` attention calls inside one jitted `fori_loop` (each
 call's query depends on the previous output, so none is hoisted), median of `repeats` runs.
 Bytes read are the arrays each implementation must read once: K/V (codes), their scales and
-zeros, and (ours) the per-slot positions.
+zeros, and (ours) the per-slot positions. The `copy` row is the ceiling: a device copy of the
+BF16 K/V bytes, its TB/s counting bytes read + written (so 2× bytes_read over its µs).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.eval._bench import copy_bandwidth
 from kvjax.pallas_kernels import decode_attention as da
 from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_token
 
 ROWS = (
-    "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
+    "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
     "pallas-bf16", "pallas-bf16+logits", "pallas-int8", "pallas-int4", "pallas-int2",
+    "pallas-int4-bf16stats", "pallas-int2-bf16stats",
 )  # fmt: skip
 
 
@@ -98,15 +101,13 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     def ours(tier, logits=False, bits=None):
         def fn(q, knobs):
             knobs = knobs or {}
-            if bits is None:  # each kernel takes its own knobs
-                dense = {k: x for k, x in knobs.items() if k != "pages_per_step"}
+            if bits is None:
                 p = da.decode_attention_triton(
-                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **dense
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
             else:
-                paged = {k: x for k, x in knobs.items() if k != "block_k"}
                 p = da.decode_attention_lowbit_triton(
-                    grouped(q), tier, q_pos, bits=bits, scale=scale, **paged
+                    grouped(q), tier, q_pos, bits=bits, scale=scale, **knobs
                 )
             return out(da.combine([p])[0])
 
@@ -115,6 +116,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     full = da.FullTier(k, v, pos, extent)
     int8 = da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
     cases = {
+        "copy": (None, _nbytes(k, v)),  # timed by copy_bandwidth (bytes read + written)
         "cudnn-bf16": (nn_attn("cudnn", kt, vt), _nbytes(k, v)),
         "xla-bf16": (nn_attn("xla", kt, vt), _nbytes(k, v)),
         "xla-dequant-int8": (dequant_then_attend, _nbytes(k8, v8, k8s, v8s)),
@@ -131,6 +133,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         arrays = (pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero, lpos)
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         cases[f"pallas-int{bits}"] = (ours(tier, bits=bits), _nbytes(*arrays))
+        # The same codes with bfloat16 scales/zeros: what that cache layout would read.
+        half = arrays[:2] + tuple(x.astype(jnp.bfloat16) for x in arrays[2:6]) + arrays[6:]
+        tier = da.LowBitTier(*half, jnp.full((b, hkv), pages, jnp.int32))
+        cases[f"pallas-int{bits}-bf16stats"] = (ours(tier, bits=bits), _nbytes(*half))
     return cases
 
 
@@ -153,7 +159,7 @@ def bench_kernel(
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
-    pages_per_step, num_splits, num_warps, num_stages overriding the tuned defaults), on the
+    num_splits, num_warps, num_stages overriding the tuned defaults), on the
     same data. `on_row` sees each row as soon as it is timed (progress).
     """
     dev = jax.devices()[0].device_kind
@@ -169,8 +175,12 @@ def bench_kernel(
         fn, nbytes = cases[name]
         row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True), bytes_read=nbytes)
         try:
-            sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
-            res = KernelBench(us=sec * 1e6, tbps=nbytes / sec / 1e12, **row, **shape)
+            if name == "copy":  # the bandwidth ceiling: read + write the BF16 K/V bytes once
+                sec = 2 * nbytes / (copy_bandwidth(nbytes) * 1e9)
+            else:
+                sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
+            moved = 2 * nbytes if name == "copy" else nbytes
+            res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
             res = KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape)
         results.append(res)

@@ -98,6 +98,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "confkv-l": ("confkv-l", {"int8": True}),
     "qevict": ("qevict", {}),
     "qevict-int4": ("qevict", {"bits": 4}),
+    "kvpop": ("kvpop", {}),
+    "kvpop-mlp": ("kvpop-mlp", {}),
 }
 
 

@@ -40,17 +40,22 @@ case "${1:-foundation}" in
     # Ours first: a slow baseline at the end cannot hide our rows. One line per row as it ends.
     # shellcheck disable=SC2086
     run bench kernel --batch ${BATCHES:-8 1} --contexts ${CONTEXTS:-16384 32768 65536} \
-      --rows pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-bf16+logits cudnn-bf16 \
-      xla-bf16 xla-dequant-int8 ${SWEEP:+--sweep $SWEEP} --out "$OUT/kernel.json" \
+      --rows ${ROWS:-copy pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-int4-bf16stats \
+      pallas-int2-bf16stats pallas-bf16+logits cudnn-bf16 xla-bf16 xla-dequant-int8} \
+      ${SWEEP:+--sweep $SWEEP --sweep-rows ${SWEEP_ROWS:-pallas-bf16}} --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"
     ;;
-  decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context: XLA vs Pallas attention
-    # POLICIES/BUDGET overridable; 6554 tokens = 20% of the 32K context.
-    for impl in ${IMPLS:-xla pallas}; do
-      # shellcheck disable=SC2086
-      run bench decode --preset Llama-3-8B --dtype bfloat16 --policy ${POLICIES:-full confkv qevict} \
-        --budget "${BUDGET:-6554}" --contexts 32768 --batch "${BATCH:-8}" --steps 16 \
-        --copy-mib 4096 --attention "$impl" --out "$OUT/decode_${impl}_b${BATCH:-8}.json"
+  decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context, one process per row
+    # (so each row's allocator peak is its own). Budgets give 20% of the full cache's bytes:
+    # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it.
+    for b in ${BATCHES:-8 1}; do
+      for row in ${ROWS:-full:xla full:pallas confkv:pallas qevict:pallas}; do
+        pol=${row%%:*} impl=${row##*:}
+        budget=$(case $pol in confkv) echo 12650 ;; *) echo 6554 ;; esac)
+        run bench decode --preset Llama-3-8B --dtype bfloat16 --policy "$pol" --budget "$budget" \
+          --contexts 32768 --batch "$b" --steps "${STEPS:-16}" --copy-mib 4096 --attention "$impl" \
+          --out "$OUT/decode_${pol}_${impl}_b$b.json"
+      done
     done ;;
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;

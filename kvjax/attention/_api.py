@@ -35,6 +35,7 @@ def attend(
     query_weight: Array | None = None,
     scale: float | None = None,
     implementation: Implementation = "auto",
+    need_mass: bool = True,
 ) -> tuple[Array, AttnStats]:
     """Attention of this call's queries over the layer's cache and this call's own tokens.
 
@@ -51,6 +52,8 @@ def attend(
         implementation: "xla" (plain jnp reference, always available), "pallas" (the
             Pallas decode kernels for T == 1 — Triton on GPU, Mosaic on TPU, the interpreter
             on CPU — and the XLA path for T > 1), or "auto" (pallas on GPU/TPU, else xla).
+        need_mass: whether the caller reads the attention mass; False lets the Pallas kernels
+            skip the per-slot logits (the mass fields then hold zeros). XLA drops unused mass.
 
     Returns:
         (out [B, T, Hq, D], AttnStats).
@@ -71,7 +74,10 @@ def attend(
     if implementation == "pallas" and t == 1:
         from kvjax.attention._pallas import attend_pallas
 
-        return attend_pallas(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
+        return attend_pallas(
+            q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale,
+            need_mass=need_mass,
+        )  # fmt: skip
     if implementation in ("xla", "pallas"):
         return attend_xla(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
     raise ValueError(

@@ -47,6 +47,7 @@ def attend_pallas(
     query_weight: Array,
     *,
     scale: float,
+    need_mass: bool = True,
 ) -> tuple[Array, AttnStats]:
     """`attend_xla`'s contract for T == 1, through the Pallas kernels.
 
@@ -58,6 +59,7 @@ def attend_pallas(
         new_valid: [B, 1] bool.
         query_weight: [B, 1] float32 weight of the query in the mass.
         scale: logit scale.
+        need_mass: compute the per-slot mass (else the kernels write no logits; zeros).
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -89,7 +91,7 @@ def attend_pallas(
         bits=layer.lowbit.bits if lowbit is not None else 2,
         scale=scale,
         backend=backend or "triton",
-        return_logits=True,
+        return_logits=need_mass,
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
     )
     # The step's own token joins with a log-sum-exp combine.
@@ -102,16 +104,16 @@ def attend_pallas(
     v1 = v_new[:, 0].astype(jnp.float32)[:, :, None, :]  # [B, Hkv, 1, D]
     out = w_cache * res.out + w_new[..., None] * v1
     w = query_weight[:, 0].astype(jnp.float32)
-    masses = [
-        attention_mass(logits, lse, _visible(pos.reshape(b, hkv, -1), qp), w)
-        for logits, pos in zip(
-            res.logits,
-            [layer.pos]
-            + ([layer.int8.pos] if int8 is not None else [])
-            + ([layer.lowbit.pos] if lowbit is not None else []),
-            strict=True,
-        )
-    ]
+    tier_pos = [layer.pos]
+    tier_pos += [layer.int8.pos] if int8 is not None else []
+    tier_pos += [layer.lowbit.pos] if lowbit is not None else []
+    if need_mass:
+        masses = [
+            attention_mass(logits, lse, _visible(pos.reshape(b, hkv, -1), qp), w)
+            for logits, pos in zip(res.logits, tier_pos, strict=True)
+        ]
+    else:
+        masses = [jnp.zeros((b, hkv, pos[0, 0].size), jnp.float32) for pos in tier_pos]
     stats = AttnStats(
         slot_mass=masses[0],
         new_mass=(jnp.sum(w_new, axis=2) * w[:, None])[..., None],

@@ -59,6 +59,7 @@ def model_step(
         cache,
         query_weight=query_weight,
         implementation=implementation,
+        need_mass=policy.uses_attention_mass,
     )
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]

@@ -49,6 +49,7 @@ def forward(
     query_weight: Array | None = None,
     implementation: Implementation = "auto",
     return_queries: bool = False,
+    need_mass: bool = True,
 ) -> ForwardOutput:
     """Run the model on T new tokens per sequence, attending over the cache plus themselves.
 
@@ -62,8 +63,9 @@ def forward(
         query_weight: [B, T] weight of each query in the attention mass (default: valid).
         implementation: attention implementation name.
         return_queries: also return each layer's queries (the KVpop teacher needs them).
+        need_mass: whether the attention mass in `stats` is read (see `attend`).
     """
-    attn = dict(query_weight=query_weight, implementation=implementation)
+    attn = dict(query_weight=query_weight, implementation=implementation, need_mass=need_mass)
     run = _gpt2 if config.arch == Arch.GPT2 else _llama
     out, qs = run(config, params, tokens, positions, valid, cache, attn)
     return out.replace(q=tuple(qs)) if return_queries else out

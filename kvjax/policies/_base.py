@@ -25,6 +25,10 @@ class Policy(abc.ABC):
     """Base of every cache policy. Subclasses set `name` and implement `capacity` and `write`."""
 
     name: ClassVar[str]
+    # Whether `write` reads the attention mass in AttnStats of a one-token (decode) write.
+    # False lets the Pallas decode path skip the per-slot logits (the stats then hold zeros);
+    # multi-token (prefill) calls always carry the real mass.
+    uses_attention_mass: ClassVar[bool] = True
 
     @abc.abstractmethod
     def capacity(self, max_len: int) -> int:
@@ -125,6 +129,8 @@ class Policy(abc.ABC):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PositionalPolicy(Policy):
     """A policy whose slot for a token depends only on its position (full, window, sinks)."""
+
+    uses_attention_mass: ClassVar[bool] = False
 
     @abc.abstractmethod
     def slot_of(self, pos: Array, capacity: int) -> Array:

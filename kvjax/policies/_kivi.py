@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -28,6 +29,8 @@ class KIVIPolicy(Policy):
         bits: code width (2 by default; 4 and 8 allowed).
         value_group: channels sharing one value scale/zero.
     """
+
+    uses_attention_mass: ClassVar[bool] = False
 
     name = "kivi"
     residual: int = 128

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ class KVpopPolicy(RankedPolicy):
     """
 
     name = "kvpop"
+    uses_attention_mass: ClassVar[bool] = False  # priorities come from the scorer
     budget: int
     sinks: int = 4
     window: int = 32

@@ -4,6 +4,7 @@ policy, but the token evicted from the ranked region is chosen uniformly at rand
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -34,6 +35,7 @@ class RandomPolicy(RankedPolicy):
     """
 
     name = "random"
+    uses_attention_mass: ClassVar[bool] = False
     budget: int
     recent: int = 32
     seed: int = 0

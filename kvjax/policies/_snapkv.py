@@ -10,6 +10,7 @@ prompt can be longer than the cache); for a prompt that fits in one chunk this i
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ class SnapKVPolicy(RankedPolicy):
     observation: int = 32
     pool: int = 7
     frozen_in_decode = True
+    uses_attention_mass: ClassVar[bool] = False  # votes are cast in prefill only
 
     def __post_init__(self) -> None:
         if self.observation < 1:

@@ -57,7 +57,7 @@ def decode_attention(
         backend: "triton" (GPU) or "tpu" (Mosaic TPU).
         return_logits: also return each tier's scaled logits (for the per-slot mass).
         interpret: run the kernels in the Pallas interpreter (CPU).
-        block_k: slots per loop step of the full/INT8 kernels (default: tuned per device).
+        block_k: slots per loop step of every tier's kernel (default: tuned per device and tier).
         num_splits: splits per (sequence, KV head) (default: fill the chip).
     """
     if backend == "triton":
@@ -77,7 +77,9 @@ def decode_attention(
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, block_k=block_k, num_splits=num_splits, **knobs))
     if lowbit is not None:
-        parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **knobs))
+        # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
+        paged = dict(block_k=block_k) if backend == "triton" else {}
+        parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     out, lse = combine(parts)
     logits = tuple(p.logits for p in parts) if return_logits else ()
     return DecodeResult(out, lse, logits)

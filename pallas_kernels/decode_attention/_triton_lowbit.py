@@ -1,11 +1,12 @@
 """Decode attention over the packed low-bit tier (2/4/8-bit pages): Pallas through Triton (GPU).
 
 Codes are unpacked in registers with one shift and one mask per sub-block (kvjax.quant.pack's
-layout: byte j holds channel j + i·D/n of sub-block i at bit offset i·bits). Dequantization is
-folded out of the per-element path: the per-page, per-channel key scale multiplies the query
-chunk and the key zero adds q·zero to the logits; the per-token value scale multiplies the
-probabilities and the value zero adds Σ p·zero to the output. So a code costs a shift, a mask
-and a convert; the dots run on raw codes.
+layout: byte j holds channel j + i·D/n of sub-block i at bit offset i·bits). Keys are
+dequantized in registers (code·scale + zero with the token's page statistics) before the QK dot;
+for values the per-token scale multiplies the probabilities and the zero adds Σ p·zero to the
+output, so the PV dot runs on raw codes. A loop step covers block_k tokens (several pages), so
+the loads of a step are large enough to keep HBM busy and the online-softmax rescale is paid
+once per block, not once per page.
 """
 
 from __future__ import annotations
@@ -54,22 +55,24 @@ def _kernel(
     q_ref,  # [Gp, D]
     k_ref,  # [P, Tp, Dp] uint8 packed key codes
     v_ref,  # [P, Tp, Dp] uint8 packed value codes
-    ks_ref,  # [P, D] f32 key scale per page and channel
-    kz_ref,  # [P, D] f32 key zero
-    vs_ref,  # [P, Tp, NG] f32 value scale per token and channel group
-    vz_ref,  # [P, Tp, NG] f32 value zero
-    pos_ref,  # [P, Tp] int32, -1 = not attended
+    ks_ref,  # [P, D] key scale per page and channel
+    kz_ref,  # [P, D] key zero
+    vs_ref,  # [N, NG] value scale per token and channel group, N = P·Tp in page order
+    vz_ref,  # [N, NG] value zero
+    pos_ref,  # [N] int32, -1 = not attended
     o_ref,  # [Gp, D] f32 (rows >= G never written)
     lse_ref,  # [Gp] f32
-    *logits_ref,  # [Gp, P·Tp] f32 (return_logits; rows >= G never written)
+    *logits_ref,  # [Gp, N] f32 (return_logits; rows >= G never written)
     bits: int,
     scale: float,
+    block_k: int,
     num_splits: int,
-    pages_per_step: int,
     group: int,
     return_logits: bool,
 ):
-    pages, tp, _ = k_ref.shape
+    pages, page, _ = k_ref.shape
+    n_tok = pages * page
+    npg = block_k // page  # pages per loop step
     gp, d = q_ref.shape
     ng = vs_ref.shape[-1]
     mask = (1 << bits) - 1
@@ -77,58 +80,55 @@ def _kernel(
     w = min(d * bits // 8, d // ng)  # channels per chunk
     cdt = q_ref.dtype
     qpos = qpos_ref[()]
-    q = [q_ref[:, pl.ds(c0, w)].astype(jnp.float32) for _, _, c0, _ in parts]  # [Gp, w] each
-    extent = jnp.minimum(extent_ref[()], pages)
-    n_steps = pl.cdiv(pages, pages_per_step)
-    first, last = split_range(extent, n_steps, pages_per_step, num_splits)
-
-    def codes(packed: Array, i: int) -> Array:
-        return ((packed >> (i * bits)) & mask).astype(cdt)  # [Tp, w]
-
+    q = [q_ref[:, pl.ds(c0, w)] for _, _, c0, _ in parts]  # [Gp, w] each
+    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
+    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
     js = sorted({j for _, j, _, _ in parts})
 
-    def load(pg):
-        """Every array of page pg (clamped in bounds), loaded before any is used."""
-        return dict(
-            pos=pos_ref[pg, :],
-            k={j: k_ref[pg, :, pl.ds(j, w)] for j in js},
-            v={j: v_ref[pg, :, pl.ds(j, w)] for j in js},
-            ks=[ks_ref[pg, pl.ds(c0, w)] for _, _, c0, _ in parts],
-            kz=[kz_ref[pg, pl.ds(c0, w)] for _, _, c0, _ in parts],
-            vs=[vs_ref[pg, :, grp] for _, _, _, grp in parts],  # [Tp] each
-            vz=[vz_ref[pg, :, grp] for _, _, _, grp in parts],
-        )
+    def codes(packed: Array, i: int) -> Array:
+        return (packed >> (i * bits)) & mask  # [npg, Tp, w] uint8
 
-    def attend(page, pg, live, carry):
+    def step(it, carry):
         acc, m, l = carry
-        s = jnp.zeros((gp, tp), jnp.float32)
-        qz = jnp.zeros((gp,), jnp.float32)
-        for qc, ksc, kzc, (i, j, _, _) in zip(q, page["ks"], page["kz"], parts, strict=True):
-            s = s + dot_f32((qc * ksc[None, :]).astype(cdt), codes(page["k"][j], i), trans_b=True)
-            qz = qz + jnp.sum(qc * kzc[None, :], axis=1)
-        s = (s + qz[:, None]) * scale
-        pos = page["pos"]
-        s = jnp.where(((pos >= 0) & (pos <= qpos) & live)[None, :], s, -jnp.inf)
+        start = pl.multiple_of(it * block_k, block_k)
+        rows = pl.ds(start, block_k)
+        tok = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        inb = tok < extent  # never load past the live extent
+        pgs = pl.ds(it * npg, npg)
+        pin = it * npg + lax.broadcasted_iota(jnp.int32, (npg,), 0) < pl.cdiv(extent, page)
+        pin3 = pin[:, None, None]
+        # Every load of the block is issued before the first use.
+        pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
+        kp = {j: plgpu.load(k_ref.at[pgs, :, pl.ds(j, w)], mask=pin3, other=0) for j in js}
+        vp = {j: plgpu.load(v_ref.at[pgs, :, pl.ds(j, w)], mask=pin3, other=0) for j in js}
+        stat = lambda ref, c0: plgpu.load(ref.at[pgs, pl.ds(c0, w)], mask=pin[:, None], other=0)
+        ks = [stat(ks_ref, c0) for _, _, c0, _ in parts]  # [npg, w]
+        kz = [stat(kz_ref, c0) for _, _, c0, _ in parts]
+        grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
+        vs = [plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps]
+        vz = [plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps]
+        s = jnp.zeros((gp, block_k), jnp.float32)
+        for qc, ksc, kzc, (i, j, _, _) in zip(q, ks, kz, parts, strict=True):
+            # The key chunk, dequantized in registers with its page's statistics, then the
+            # block's pages side by side as block_k rows.
+            kd = codes(kp[j], i).astype(jnp.float32) * ksc.astype(jnp.float32)[:, None, :]
+            kd = (kd + kzc.astype(jnp.float32)[:, None, :]).astype(cdt)
+            s = s + dot_f32(qc, kd.reshape(block_k, w), trans_b=True)
+        s = s * scale
+        s = jnp.where(((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
         if return_logits:
-            cols = pl.ds(pl.multiple_of(pg * tp, tp), tp)
-            store_rows(logits_ref[0], s, group, cols, jnp.full((tp,), live))
+            store_rows(logits_ref[0], s, group, rows, inb)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])  # [Gp, Tp]
+        p = jnp.exp(s - m_new[:, None])  # [Gp, T]
         l = l * corr + jnp.sum(p, axis=1)
         new = []
-        for a, vsc, vzc, (i, j, _, _) in zip(acc, page["vs"], page["vz"], parts, strict=True):
-            pv = dot_f32((p * vsc[None, :]).astype(cdt), codes(page["v"][j], i), trans_b=False)
-            zero = jnp.sum(p * vzc[None, :], axis=1)
+        for a, vsc, vzc, (i, j, _, _) in zip(acc, vs, vz, parts, strict=True):
+            ps = (p * vsc.astype(jnp.float32)[None, :]).astype(cdt)  # the value scale on p
+            pv = dot_f32(ps, codes(vp[j], i).astype(cdt).reshape(block_k, w), trans_b=False)
+            zero = jnp.sum(p * vzc.astype(jnp.float32)[None, :], axis=1)
             new.append(a * corr[:, None] + pv + zero[:, None])
         return new, m_new, l
-
-    def step(st, carry):
-        pgs = [jnp.minimum(st * pages_per_step + c, pages - 1) for c in range(pages_per_step)]
-        loaded = [load(pg) for pg in pgs]  # all loads of the step in flight together
-        for c, (pg, page) in enumerate(zip(pgs, loaded, strict=True)):
-            carry = attend(page, pg, st * pages_per_step + c < extent, carry)
-        return carry
 
     init = (
         [jnp.zeros((gp, w), jnp.float32) for _ in parts],
@@ -148,8 +148,8 @@ def _kernel(
     static_argnames=(
         "bits",
         "scale",
+        "block_k",
         "num_splits",
-        "pages_per_step",
         "num_warps",
         "num_stages",
         "return_logits",
@@ -163,14 +163,17 @@ def decode_attention_lowbit_triton(
     *,
     bits: int,
     scale: float,
+    block_k: int | None = None,
     num_splits: int | None = None,
-    pages_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_logits: bool = False,
     interpret: bool = False,
 ) -> Partials:
-    """One decode query per sequence attending the packed low-bit tier, page by page.
+    """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
+
+    A step loads block_k/Tp whole pages (codes as [pages, Tp, w] tiles, their [pages, w] key
+    statistics) and lays the pages side by side as block_k rows for the dots.
 
     Args:
         q: [B, Hkv, G, D] queries grouped by KV head, in the compute dtype.
@@ -178,8 +181,9 @@ def decode_attention_lowbit_triton(
         q_pos: [B] int32 query positions.
         bits: code width, 2, 4 or 8.
         scale: logit scale.
+        block_k: tokens per loop step, a power of 2 (default: the device's lowbit_block_k;
+            at least one page).
         num_splits: splits S per (sequence, KV head); default fills the chip.
-        pages_per_step: pages whose loads are issued together per loop step (default: tuned).
         num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
         return_logits: also return the scaled logits of every read slot.
         interpret: run in the Pallas interpreter (CPU tests).
@@ -194,20 +198,26 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if dp * 8 != d * bits:
         raise ValueError(f"packed width {dp} does not hold D={d} channels at {bits} bits")
-    pps = pages_per_step or tune.pages_per_step
-    splits = num_splits or _num_splits(b, hkv, pl.cdiv(pages, pps), tune.target_programs)
+    if tp & (tp - 1):
+        raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
+    block_k = max(block_k or tune.lowbit_block_k, tp)
+    if block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of 2, got {block_k}")
+    n_tok = pages * tp
+    splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
     qp = pad_group(q)
-    out_shape, out_specs = split_out_shapes(qp, group, splits, pages * tp, return_logits)
+    out_shape, out_specs = split_out_shapes(qp, group, splits, n_tok, return_logits)
+    flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
     arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.k_scale, tier.k_zero]
-    arrays += [tier.v_scale, tier.v_zero, tier.pos]
+    arrays += [flat(tier.v_scale), flat(tier.v_zero), flat(tier.pos)]
     specs = [head_spec(), pl.BlockSpec((None,), lambda i, j, s: (i,))]
     specs += [head_spec(*x.shape[2:]) for x in arrays[2:]]
     kernel = functools.partial(
         _kernel,
         bits=bits,
         scale=scale,
+        block_k=block_k,
         num_splits=splits,
-        pages_per_step=pps,
         group=group,
         return_logits=return_logits,
     )
@@ -218,7 +228,8 @@ def decode_attention_lowbit_triton(
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or tune.num_warps, num_stages=num_stages or tune.num_stages
+            num_warps=num_warps or tune.num_warps,
+            num_stages=num_stages or tune.lowbit_num_stages,
         ),
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",

@@ -18,14 +18,16 @@ class Tuning:
 
     Attributes:
         block_k: slots per loop step of the full-precision and INT8 kernels (a power of 2 >= 16).
-        pages_per_step: low-bit pages per loop step.
+        lowbit_block_k: tokens per loop step of the low-bit kernel (a power of 2).
+        lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
     """
 
     block_k: int = 64
-    pages_per_step: int = 1
+    lowbit_block_k: int = 64
+    lowbit_num_stages: int = 2
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512
@@ -35,7 +37,8 @@ DEFAULT = Tuning()
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
     "NVIDIA H100 80GB HBM3": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
-    "cpu": Tuning(block_k=16, target_programs=4),  # interpret mode: few, small programs
+    # interpret mode: few, small programs
+    "cpu": Tuning(block_k=16, lowbit_block_k=16, target_programs=4),
 }
 
 

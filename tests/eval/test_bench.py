@@ -1,5 +1,6 @@
 """The decode benchmark measures what it says: live/physical bytes follow the formulas."""
 
+import jax
 import pytest
 
 from kvjax.eval import bench_decode
@@ -24,13 +25,15 @@ def test_bench_decode_byte_accounting(tiny_llama, name, budget):
     slot = 2 * config.head_dim * 4  # K+V float32
     kept = 128 if name == "full" else 32
     assert r.live_kv_bytes == 2 * config.num_layers * config.num_kv_heads * kept * slot
-    capacity = policy.capacity(128 + 2 * 4 + 1)
+    capacity = policy.capacity(128 + 4 * 4 + 1)  # room for the timed and policy-only steps
     # Physical: K, V data + int32 positions + float32 scores, per slot, plus [B] lengths.
     per_slot = slot + 4 + 4
     assert r.physical_kv_bytes == (
         2 * config.num_layers * config.num_kv_heads * capacity * per_slot + 2 * 4
     )
     assert r.ms_per_step > 0 and r.tokens_per_s == pytest.approx(2e3 / r.ms_per_step)
+    assert r.policy_ms_per_step > 0
+    assert r.peak_device_bytes is None or r.peak_device_bytes >= r.physical_kv_bytes
 
 
 def test_bench_rejects_ragged_fill(tiny_llama):
@@ -60,3 +63,37 @@ def test_bench_decode_runs_tiered_policies(tiny_llama, name, budget):
     )
     slot = 2 * config.head_dim * 4
     assert 0 < r.live_kv_bytes <= config.num_layers * config.num_kv_heads * budget * slot
+
+
+def test_bench_kernel_rows_bytes_and_errors():
+    from kvjax.eval._bench_kernel import bench_kernel
+
+    rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-bf16stats")
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
+        res = {
+            r.row: r
+            for r in bench_kernel(
+                batch=1,
+                context=64,
+                q_heads=4,
+                kv_heads=2,
+                head_dim=64,
+                page=16,
+                value_group=32,
+                rows=rows,
+                iters=1,
+                repeats=1,
+            )  # fmt: skip
+        }
+    assert set(res) == set(rows)
+    bf16 = 2 * 1 * 2 * 64 * 64 * 2  # K and V
+    assert res["copy"].bytes_read == res["xla-bf16"].bytes_read == bf16
+    for name in ("copy", "xla-bf16", "xla-dequant-int8"):
+        assert res[name].error is None and res[name].us > 0 and res[name].tbps > 0
+    # INT4 codes are a quarter of BF16; per KV head (2), a scale and a zero per page·channel
+    # (4 pages × 64) and per token·group (64 × 2), float32; an int32 pos per slot.
+    stats = 2 * 2 * (4 * 64 + 64 * 2)
+    assert res["pallas-int4"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
+    assert res["pallas-int4-bf16stats"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
+    if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
+        assert "Error" in res["pallas-int4"].error

@@ -70,6 +70,23 @@ def test_pallas_equals_xla_with_stats(tiers, ratio):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, err_msg=field)
 
 
+def test_pallas_without_mass_gives_the_same_output_and_zero_mass():
+    layer = _layer(5)
+    b, h, d = 2, 2, 16
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(rng.standard_normal((b, 1, h * 3, d)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32) for _ in "kv")
+    args = (q, layer, k_new, v_new, jnp.array([[40], [55]], jnp.int32), jnp.ones((b, 1), bool))
+    want_out, want = attend(*args, implementation="pallas")
+    got_out, got = attend(*args, implementation="pallas", need_mass=False)
+    np.testing.assert_array_equal(np.asarray(got_out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
+    for field in ("slot_mass", "int8_mass", "lowbit_mass"):
+        w, g = getattr(want, field), getattr(got, field)
+        assert g.shape == w.shape and not np.any(np.asarray(g)), field
+        assert np.any(np.asarray(w)), field
+
+
 def test_auto_picks_pallas_only_on_accelerators():
     assert resolve_implementation("auto", "gpu") == "pallas"
     assert resolve_implementation("auto", "tpu") == "pallas"

@@ -62,3 +62,44 @@ def test_decode_compiles_once(tiny_llama, case):
     for n in (2, 5, 8):
         generate(config, params, [list(range(1, n + 1))], policy=policy, gen=gen)
     assert _generate._cache_size() == before + 1
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_uses_attention_mass_is_truthful(tiny_llama, case):
+    # A policy that declares it reads no attention mass writes the same cache whatever the mass
+    # says (the Pallas path then hands it zeros and skips the logits); one that declares it
+    # reads it keeps a different set under spiky masses than under zeros.
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.attention import AttnStats
+    from kvjax.generate import new_cache
+
+    config, _ = tiny_llama
+    policy = build(case, 24)
+    cache = new_cache(config, policy, batch=2, max_len=96, dtype=jnp.float32)
+    layer0, state = cache.layers[0], cache.policy_state
+    h, d = layer0.k.shape[1], layer0.k.shape[3]
+
+    @jax.jit
+    def step(layer, kv, pos, masses):
+        tier = lambda t, m: None if t is None else m[: t.pos.size].reshape(t.pos.shape)
+        st = AttnStats(
+            slot_mass=masses[: layer.pos.size].reshape(layer.pos.shape),
+            new_mass=masses[:2 * h].reshape(2, h, 1), lse=jnp.zeros((2, 1, config.num_heads)),
+            int8_mass=tier(layer.int8, masses[::-1]), lowbit_mass=tier(layer.lowbit, masses[1:]),
+        )  # fmt: skip
+        valid = jnp.ones((2, 1), bool)
+        return policy.write(layer, kv[0], kv[1], pos, valid, st, state, layer_index=0)
+
+    def run(spiky: bool):
+        rng = np.random.default_rng(1)  # the same keys and values in both runs
+        layer = layer0
+        for t in range(80):  # one token a step, well past the budget
+            kv = jnp.asarray(rng.standard_normal((2, 2, 1, h, d)), jnp.float32)
+            masses = rng.exponential(size=4096) ** 3 * spiky
+            layer = step(layer, kv, jnp.full((2, 1), t, jnp.int32), jnp.asarray(masses))
+        return [np.asarray(x) for x in jax.tree.leaves(layer) if x.dtype == jnp.int32]
+
+    same = all(np.array_equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+    assert same == (not policy.uses_attention_mass)
