@@ -167,13 +167,14 @@ class RankedPolicy(Policy):
         ranked = self._ranked(layer)
         prio = self._prio(ranked, cur3, li)  # [B, H, M]
         live = jnp.sum(ranked.pos >= 0, axis=-1)  # [B, H]
+        free = jnp.argmax(ranked.pos < 0, axis=-1)  # first empty slot (holes after evictions)
         lowest = jnp.argmin(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
         lowest_prio = jnp.min(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
         if self.frozen_in_decode:
             leave_prio = jnp.full_like(leave_prio, -_INF)
         m = ranked.pos.shape[-1]
-        target = jnp.where(live < budget, live, jnp.where(leave_prio > lowest_prio, lowest, m))
+        target = jnp.where(live < budget, free, jnp.where(leave_prio > lowest_prio, lowest, m))
         target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
         if self.int8:
             layer = layer.replace(int8=scatter_int8(layer.int8, target, leaving.quantized()))
@@ -183,18 +184,29 @@ class RankedPolicy(Policy):
         return scatter_fp(layer, ring_slot, new)
 
     def _shrink(self, layer, budget, cur3, li):
-        """Evict the lowest-priority ranked tokens down to `budget` [B, 1], compacting the rest.
-        Runs (under lax.cond) only when some head holds more than its budget."""
-        live = jnp.sum(self._ranked(layer).pos >= 0, axis=-1)
+        """Evict the lowest-priority ranked tokens down to `budget` [B, 1] by emptying their
+        slots (pos -1; K/V stay where they are, as holes the next tokens fill).
 
-        def compact(layer):
-            ranked = self._ranked(layer)
-            kept = _select_prefix(
-                ranked, self._prio(ranked, cur3, li), budget, ranked.pos.shape[-1]
-            )
-            return self._set_ranked(layer, kept)
+        The eviction (a sort) runs under lax.cond only when some head holds more than its
+        budget, and the cond carries only the ranked region's pos/score: a cond carrying K/V
+        would make XLA copy the whole tier every step (measured on the H200: ~9 ms/step for
+        confkv at Llama-3-8B shapes, 32K context, batch 8)."""
+        ranked = self._ranked(layer)
+        live = jnp.sum(ranked.pos >= 0, axis=-1)
 
-        return jax.lax.cond(jnp.any(live > budget), compact, lambda x: x, layer)
+        def evict(pos_score):
+            pos, score = pos_score
+            prio = self._prio(ranked.replace(pos=pos, score=score), cur3, li)
+            rank = jnp.argsort(jnp.argsort(-prio, axis=-1, stable=True), axis=-1)
+            return jnp.where((rank < budget[..., None]) & (pos >= 0), pos, -1), score
+
+        pos, score = jax.lax.cond(
+            jnp.any(live > budget), evict, lambda x: x, (ranked.pos, ranked.score)
+        )
+        if self.int8:
+            return layer.replace(int8=layer.int8.replace(pos=pos, score=score))
+        upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, self.ring, axis=2)
+        return layer.replace(pos=upd(layer.pos, pos), score=upd(layer.score, score))
 
     def _set_ranked(self, layer, toks: Tokens):
         if self.int8:

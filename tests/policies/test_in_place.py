@@ -1,0 +1,42 @@
+"""A decode write must update the cache in place: the compiled policy-only decode loop holds no
+copy of a cache-sized array. (On the H200 a lax.cond that carried confkv's INT8 tier made XLA
+copy it every step: ~9 ms/step at Llama-3-8B shapes. XLA's CPU compiler inserts the same
+copies, so the check runs here; the GPU check is `scripts/find_cache_copies.py`.)"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from policy_cases import build
+
+from kvjax.eval._bench import _policy_only
+from kvjax.generate import new_cache
+from kvjax.models import Arch, ModelConfig
+
+
+def cache_copies(policy, config) -> list[str]:
+    cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
+    # K/V-sized arrays: the full-precision tier (beyond a small ring) and the INT8 codes
+    big = {
+        tuple(x.shape)
+        for x in jax.tree.leaves(cache)
+        if x.ndim == 4 and x.shape[2] > 64 and x.shape[3] == config.head_dim
+    }
+    assert big, "the case has no cache-sized arrays to check"
+    txt = _policy_only.lower(policy, 3, cache, jax.random.key(0)).compile().as_text()
+    found = []
+    for m in re.finditer(r"= (\w+)\[([0-9,]*)\]\{[^}]*\} copy\(", txt):
+        shape = tuple(int(s) for s in m.group(2).split(",") if s)
+        if shape in big:
+            found.append(f"{m.group(1)}{list(shape)}")
+    return found
+
+
+@pytest.mark.parametrize("case", ["h2o", "tova", "confkv-int8", "confkv"])
+def test_decode_write_copies_no_cache_sized_array(case):
+    config = ModelConfig(
+        arch=Arch.LLAMA, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=64, name="tiny",
+    )  # fmt: skip
+    assert cache_copies(build(case, 200), config) == []
