@@ -23,7 +23,8 @@ import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
 from kvjax.policies._base import Policy
-from kvjax.policies._qevict_route import Layout, QEvictAux, route
+from kvjax.policies._qevict_move import apply_moves
+from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
 from kvjax.quant import BITS
 
 Array = jax.Array
@@ -179,6 +180,11 @@ class QEvictPolicy(Policy):
         sc_ring = jnp.take_along_axis(layer.score, ring_idx, axis=2).reshape(b, h, kk, w)
         sc_new = jnp.take_along_axis(stats.new_mass, new_idx, axis=2).reshape(b, h, kk, w)
         new_score = jnp.where(old[..., 0], sc_ring, sc_new)
+        # The leaving windows are read out of the ring before this call's tokens overwrite it
+        # (else XLA would keep the old ring alive by copying the whole tier).
+        new_k, new_v, new_score, layer = jax.lax.optimization_barrier(
+            (new_k, new_v, new_score, layer)
+        )
         # This call's tokens: sinks, or ring slots if their window has not left yet.
         base_after = s + l1 * w  # [B] first position still in the ring
         ring_slot = s + (pos_new - s) % r
@@ -201,9 +207,23 @@ class QEvictPolicy(Policy):
             )
         )
         event = l1 > l0
-        return jax.lax.cond(
+        lb = layer.lowbit
+        st = RouteState(layer.pos, layer.score, lb.pos, lb.score, lb.held, layer.aux.fp_ledger)
+        nwin = jnp.broadcast_to(win[:, None, :], (b, h, kk))
+        # The ranking (a sort) runs under the cond on small arrays only; the K/V and codes move
+        # outside it, in place (loops of zero rounds on steps without an event).
+        st, plan = jax.lax.cond(
             jnp.any(event),
-            lambda x: route(x, lay, new_k, new_v, new_score, win, event, moves=self.moves),
-            lambda x: x,
-            layer,
+            lambda st: route(st, lay, new_score, win, event, moves=self.moves),
+            lambda st: (st, empty_plan(b, h, lay, kk, self.moves)),
+            st,
+        )
+        layer = layer.replace(
+            pos=st.pos,
+            score=st.score,
+            lowbit=lb.replace(pos=st.page_pos, score=st.page_score, held=st.held),
+            aux=QEvictAux(fp_ledger=st.fp_ledger),
+        )
+        return apply_moves(
+            layer, lay, plan, lb.pos, lb.score, new_k, new_v, new_score, nwin, moves=self.moves
         )

@@ -8,19 +8,21 @@ Layout of one layer (per batch row and KV head):
   EMPTY: the ledger entry of a window promoted back to full precision) or free;
 * `QEvictAux.fp_ledger[f]` links a full-precision window slot to its dormant ledger page.
 
-Everything here runs under `lax.cond` on routing events only (every ω decode steps).
+The ranking runs under `lax.cond` on routing events only (every ω decode steps) and touches only
+small per-slot arrays; the K/V and code movement it plans runs outside the cond
+(`_qevict_move.apply_moves`), as loops that take zero rounds on steps without an event.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import LayerCache
-from kvjax.policies._qevict_move import move_windows, put
+from kvjax.policies._qevict_move import move_sizes, put
 
 Array = jax.Array
 
@@ -126,44 +128,105 @@ def _allocate(need: Array, free: Array, size: int) -> Array:
     return jnp.where(need, _take(free_idx, r), size) if size else jnp.full_like(r, size)
 
 
+class RouteState(NamedTuple):
+    """The small per-slot arrays a routing event reads and rewrites (never K/V or codes: a
+    `lax.cond` that carried those would make XLA copy them every decode step).
+
+    Attributes:
+        pos: [B, H, C] int32 full-precision slot positions.
+        score: [B, H, C] float32 full-precision slot scores.
+        page_pos: [B, H, P, ω] int32 low-bit page positions.
+        page_score: [B, H, P] float32 page scores.
+        held: [B, H, P] bool pages holding a ledger entry.
+        fp_ledger: [B, H, F] int32 (QEvictAux.fp_ledger).
+    """
+
+    pos: Array
+    score: Array
+    page_pos: Array
+    page_score: Array
+    held: Array
+    fp_ledger: Array
+
+
+class MovePlan(NamedTuple):
+    """The data a routing event moves, as index lists processed `moves` windows per round.
+
+    Attributes:
+        order_q: [B, H, Lq] candidates (full-precision windows ‖ new windows) to quantize,
+            the needed ones first, padded with the sentinel index n_q.
+        page_dst: [B, H, n_q + 1] their destination pages (pages = dropped; the last entry is
+            the sentinel's).
+        order_fp: [B, H, Lf] candidates (pages ‖ new windows) entering full precision.
+        fp_dst: [B, H, n_fp + 1] their destination window slots (fp_windows = dropped).
+        rounds_q, rounds_fp: [] int32 rounds of each kind (0 when nothing moves).
+    """
+
+    order_q: Array
+    page_dst: Array
+    order_fp: Array
+    fp_dst: Array
+    rounds_q: Array
+    rounds_fp: Array
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def empty_plan(b: int, h: int, lay: Layout, kk: int, moves: int | None) -> MovePlan:
+    """The plan of a step without a routing event: nothing moves."""
+    n_q, n_fp, mq, mf = move_sizes(lay, kk, moves)
+    full = lambda n, v: jnp.full((b, h, n), v, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return MovePlan(
+        order_q=full(_round_up(n_q, mq), n_q),
+        page_dst=full(n_q + 1, lay.pages),
+        order_fp=full(_round_up(n_fp, mf), n_fp),
+        fp_dst=full(n_fp + 1, lay.fp_windows),
+        rounds_q=zero,
+        rounds_fp=zero,
+    )
+
+
 def route(
-    layer: LayerCache,
+    st: RouteState,
     lay: Layout,
-    new_k: Array,
-    new_v: Array,
     new_score: Array,
     new_win: Array,
     event: Array,
     *,
     moves: int | None = None,
-) -> LayerCache:
-    """One routing event: rank the resident windows and the K windows leaving the ring.
+) -> tuple[RouteState, MovePlan]:
+    """One routing event: rank the resident windows and the K windows leaving the ring, and
+    plan the data movement (`apply_moves` does it, outside any cond).
 
     Args:
-        layer: the layer's cache (scores already include this call's attention).
+        st: the layer's small arrays (scores already include this call's attention).
         lay: its layout.
-        new_k, new_v: [B, H, K, ω, D] full-precision data of the windows leaving the ring.
-        new_score: [B, H, K, ω] float32 their tokens' cumulative scores.
+        new_score: [B, H, K, ω] float32 the leaving windows' tokens' cumulative scores.
         new_win: [B, K] int32 their window ids (-1 = none).
         event: [B] bool, this batch row routes now (other rows keep their tiers).
-        moves: fast-path bound on windows quantized and on windows entering full precision
-            per event and KV head (None: always take the path over every candidate).
+        moves: windows quantized, and windows entering full precision, per round and KV head
+            (None: one round over every candidate). An event runs as many rounds as its
+            busiest head needs.
 
     Returns:
-        The updated layer.
+        The new small arrays (full-precision positions of windows leaving full precision
+        cleared; those entering it are written by `apply_moves`) and the move plan.
     """
-    b, h = layer.pos.shape[:2]
+    b, h = st.pos.shape[:2]
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
     kk = new_win.shape[-1]
-    lb, led = layer.lowbit, layer.aux.fp_ledger
-    fp_pos = layer.pos[:, :, base:].reshape(b, h, f, w)
+    led = st.fp_ledger
+    fp_pos = st.pos[:, :, base:].reshape(b, h, f, w)
     fp_win = jnp.where(fp_pos[..., 0] >= 0, (fp_pos[..., 0] - lay.sinks) // w, -1)
-    fp_score = jnp.sum(layer.score[:, :, base:].reshape(b, h, f, w), axis=-1)
-    active = lb.pos[..., 0] >= 0
-    pg_win = jnp.where(active, (lb.pos[..., 0] - lay.sinks) // w, -1)
+    fp_score = jnp.sum(st.score[:, :, base:].reshape(b, h, f, w), axis=-1)
+    active = st.page_pos[..., 0] >= 0
+    pg_win = jnp.where(active, (st.page_pos[..., 0] - lay.sinks) // w, -1)
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
     win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
-    score = jnp.concatenate([fp_score, lb.score, jnp.sum(new_score, axis=-1)], axis=-1)
+    score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
     ledger = jnp.concatenate([led >= 0, active, jnp.zeros((b, h, kk), bool)], axis=-1)
     current = jnp.where(
         win >= 0,
@@ -189,47 +252,45 @@ def route(
     need_fp = jnp.concatenate([promote, t_new == FP], -1)
     fp_dst = _allocate(need_fp, ~stay_fp, f)  # [B, H, P + K]
 
-    # Only windows that change storage are read: the first `moves` of each kind on the fast
-    # path; an event that moves more takes the exact path over every candidate.
-    n_q, n_fp = need_q.shape[-1], need_fp.shape[-1]
-    keep_pos = jnp.where(stay_fp[..., None], fp_pos, -1).reshape(b, h, f * w)
-    all_pos = jax.lax.dynamic_update_slice_in_dim(layer.pos, keep_pos, base, axis=2)
-    everything = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, h, n))
-    first = lambda need, n: jnp.argsort(~need, axis=-1, stable=True)[..., :n].astype(jnp.int32)
-    move = lambda sq, sf: move_windows(
-        layer, lay, new_k, new_v, new_score, nwin, page_dst, fp_dst, sq, sf, all_pos
+    # Only windows that change storage are read, `moves` of each kind per round.
+    n_q, n_fp, mq, mf = move_sizes(lay, kk, moves)
+
+    def order(need, n, m):
+        idx = jnp.argsort(~need, axis=-1, stable=True).astype(jnp.int32)  # needed first
+        pad = jnp.full((b, h, _round_up(n, m) - n), n, jnp.int32)
+        rounds = -(-jnp.max(jnp.sum(need, axis=-1, dtype=jnp.int32)) // m)
+        return jnp.concatenate([idx, pad], axis=-1), rounds
+
+    order_q, rounds_q = order(need_q, n_q, mq)
+    order_fp, rounds_fp = order(need_fp, n_fp, mf)
+    sentinel = lambda dst, size: jnp.concatenate([dst, jnp.full((b, h, 1), size, dst.dtype)], -1)
+    plan = MovePlan(
+        order_q=order_q,
+        page_dst=sentinel(page_dst, npg).astype(jnp.int32),
+        order_fp=order_fp,
+        fp_dst=sentinel(fp_dst, f).astype(jnp.int32),
+        rounds_q=rounds_q,
+        rounds_fp=rounds_fp,
     )
-    if moves is None or moves >= max(n_q, n_fp):
-        moved = move(everything(n_q), everything(n_fp))
-    else:
-        many = jnp.any(jnp.sum(need_q, -1) > moves) | jnp.any(jnp.sum(need_fp, -1) > moves)
-        moved = jax.lax.cond(
-            many,
-            lambda: move(everything(n_q), everything(n_fp)),
-            lambda: move(first(need_q, moves), first(need_fp, moves)),
-        )
-    lb_new, k_new, v_new, pos_new, score_new = moved
 
     # Metadata of every page and slot (small arrays).
-    lb = layer.lowbit
-    pos = jnp.where((held & ~promote)[..., None], lb.pos, -1)
+    keep_pos = jnp.where(stay_fp[..., None], fp_pos, -1).reshape(b, h, f * w)
+    all_pos = jax.lax.dynamic_update_slice_in_dim(st.pos, keep_pos, base, axis=2)
+    pos = jnp.where((held & ~promote)[..., None], st.page_pos, -1)
     pos = put(pos, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_pos)
-    pg_score = put(lb.score, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_score)
+    pg_score = put(st.page_score, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_score)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
     src_pos = jnp.concatenate([fp_pos, lay.sinks + nwin[..., None] * w + tok], axis=2)
     src_score = jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    lb = lb_new.replace(
-        pos=put(pos, page_dst, src_pos),
-        score=put(pg_score, page_dst, src_score),
-        held=put(held, page_dst, jnp.ones(page_dst.shape, bool)),
-    )
     fp_led = jnp.where(stay_fp, led, -1)
-    src_led = jnp.concatenate([everything(npg), jnp.full((b, h, kk), -1, jnp.int32)], -1)
-    return layer.replace(
-        k=k_new,
-        v=v_new,
-        pos=pos_new,
-        score=score_new,
-        lowbit=lb,
-        aux=QEvictAux(fp_ledger=put(fp_led, fp_dst, src_led)),
+    everything = jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (b, h, npg))
+    src_led = jnp.concatenate([everything, jnp.full((b, h, kk), -1, jnp.int32)], -1)
+    new = RouteState(
+        pos=all_pos,
+        score=st.score,
+        page_pos=put(pos, page_dst, src_pos),
+        page_score=put(pg_score, page_dst, src_score),
+        held=put(held, page_dst, jnp.ones(page_dst.shape, bool)),
+        fp_ledger=put(fp_led, fp_dst, src_led),
     )
+    return new, plan

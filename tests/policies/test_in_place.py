@@ -33,7 +33,7 @@ def cache_copies(policy, config) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("case", ["h2o", "tova", "confkv-int8", "confkv"])
+@pytest.mark.parametrize("case", ["h2o", "tova", "confkv-int8", "confkv", "qevict"])
 def test_decode_write_copies_no_cache_sized_array(case):
     config = ModelConfig(
         arch=Arch.LLAMA, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
