@@ -61,6 +61,9 @@ def model_step(
         implementation=implementation,
         need_mass=policy.uses_attention_mass,
     )
+    # Every read of the cache (attention) completes before the policy writes into it; without
+    # this XLA's CPU compiler may sink a read past the write and copy the whole cache.
+    out, cache = jax.lax.optimization_barrier((out, cache))
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)

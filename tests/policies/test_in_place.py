@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import pytest
 from policy_cases import build
 
-from kvjax.eval._bench import _policy_only
+from kvjax.eval._bench import _decode, _policy_only
 from kvjax.generate import new_cache
-from kvjax.models import Arch, ModelConfig
+from kvjax.models import Arch, ModelConfig, init_params
 
 
-def cache_copies(policy, config) -> list[str]:
+def cache_copies(policy, config, *, model: bool = False) -> list[str]:
+    """Copies of cache-sized arrays in the compiled loop of policy writes alone, or (model) of
+    whole model decode steps."""
     cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
     # K/V-sized arrays: the full-precision tier (beyond a small ring) and the INT8 codes
     big = {
@@ -24,7 +26,13 @@ def cache_copies(policy, config) -> list[str]:
         if x.ndim == 4 and x.shape[2] > 64 and x.shape[3] == config.head_dim
     }
     assert big, "the case has no cache-sized arrays to check"
-    txt = _policy_only.lower(policy, 3, cache, jax.random.key(0)).compile().as_text()
+    if model:
+        params = init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
+        tok = jnp.zeros((2,), jnp.int32)
+        lowered = _decode.lower(config, policy, 3, "xla", params, cache, tok)
+    else:
+        lowered = _policy_only.lower(policy, 3, cache, jax.random.key(0))
+    txt = lowered.compile().as_text()
     found = []
     for m in re.finditer(r"= (\w+)\[([0-9,]*)\]\{[^}]*\} copy\(", txt):
         shape = tuple(int(s) for s in m.group(2).split(",") if s)
@@ -33,10 +41,19 @@ def cache_copies(policy, config) -> list[str]:
     return found
 
 
+CONFIG = dict(
+    arch=Arch.LLAMA, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+    head_dim=32, intermediate_size=64, name="tiny",
+)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["h2o", "tova", "confkv-int8", "confkv", "qevict"])
 def test_decode_write_copies_no_cache_sized_array(case):
-    config = ModelConfig(
-        arch=Arch.LLAMA, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-        head_dim=32, intermediate_size=64, name="tiny",
-    )  # fmt: skip
-    assert cache_copies(build(case, 200), config) == []
+    assert cache_copies(build(case, 200), ModelConfig(**CONFIG)) == []
+
+
+@pytest.mark.parametrize("case", ["full", "h2o", "qevict"])
+def test_model_decode_step_copies_no_cache_sized_array(case):
+    # Attention reads the cache and the policy then writes into it, in one jitted step.
+    policy = build(case, 200)
+    assert cache_copies(policy, ModelConfig(**CONFIG), model=True) == []
