@@ -45,10 +45,14 @@ def boundary_accuracy(
     tokens: np.ndarray,
     spec: LabelSpec,
     *,
+    rank_decay: float = 0.0,
     progress: bool = False,
 ) -> BoundaryAccuracy:
     """Agreement with the teacher over held-out sequences `tokens` [N, S] int32 (S × S memory
-    for the H2O baseline: keep S to a few thousand)."""
+    for the H2O baseline: keep S to a few thousand).
+
+    `rank_decay` λ ranks the scorer's tokens by r̂_t + λ·t, as the `kvpop` policy does at
+    inference (its `decay`); the teacher's labels keep `spec.decay`."""
     module = make_scorer(scorer_config)
     budget = dict(sinks=spec.sinks, window=spec.window, k=spec.k)
     agree = np.zeros(3, np.int64)
@@ -65,6 +69,9 @@ def boundary_accuracy(
         )
         lab = boundary_labels(t.log_mass, **budget, decay=spec.decay)
         scores = module.apply({"params": scorer_params}, t.k, t.v, window=spec.window)
+        if rank_decay:
+            pos = jnp.arange(scores.shape[-1], dtype=jnp.float32)
+            scores = scores + rank_decay * pos.reshape((1,) * (scores.ndim - 1) + pos.shape)
         cum = accumulated_mass(model, model_params, tok)
         decided = np.asarray(lab.weight > 0)
         truth = np.asarray(lab.y > 0)

@@ -61,6 +61,14 @@ def register(sub) -> None:
         help="no training: report the held-out boundary accuracy of this scorer file (or shipped "
         "name: mlstm, mlp) at the budget flags, with the recency and H2O baselines",
     )
+    p.add_argument(
+        "--rank-decay",
+        type=float,
+        default=0.0,
+        metavar="LAMBDA",
+        help="with --evaluate: rank the scorer's tokens by score + LAMBDA·position, as the kvpop "
+        "policy does (its decay; 0.005 by default there)",
+    )
     p.set_defaults(func=run)
 
 
@@ -128,11 +136,15 @@ def run(args: argparse.Namespace) -> int:
     eval_tokens = token_windows(model.tokenizer, split.held_out, **windows, limit=args.eval_seqs)
     show = not args.json
     accuracy = lambda sc, params: dataclasses.asdict(
-        boundary_accuracy(model.config, model.params, sc, params, eval_tokens, spec, progress=show)
+        boundary_accuracy(
+            model.config, model.params, sc, params, eval_tokens, spec,
+            rank_decay=args.rank_decay, progress=show,
+        )  # fmt: skip
     )
     if args.evaluate:
         sc, params, _ = load_scorer(args.evaluate)
         row = {"scorer_file": str(args.evaluate), "held_out_sequences": len(eval_tokens)}
+        row |= {"rank_decay": args.rank_decay}
         row |= accuracy(sc, params)
         if args.log:
             write_json(args.log, row | {"labels": cfg.to_json()["labels"]})

@@ -74,3 +74,8 @@ def test_train_scorer_end_to_end(tmp_path, capsys):
     assert main([*argv, "--evaluate", str(out), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert {k: row[k] for k in acc} == acc
+    # A rank decay that dwarfs every score ranks by position alone: the newest always stays,
+    # which is exactly the recency baseline's decision.
+    assert main([*argv, "--evaluate", str(out), "--rank-decay", "1e6", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["rank_decay"] == 1e6 and row["scorer"] == row["recency"] != acc["scorer"]
