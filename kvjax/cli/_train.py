@@ -137,8 +137,14 @@ def run(args: argparse.Namespace) -> int:
     show = not args.json
     accuracy = lambda sc, params: dataclasses.asdict(
         boundary_accuracy(
-            model.config, model.params, sc, params, eval_tokens, spec,
-            rank_decay=args.rank_decay, progress=show,
+            model.config,
+            model.params,
+            sc,
+            params,
+            eval_tokens,
+            spec,
+            rank_decay=args.rank_decay,
+            progress=show,
         )  # fmt: skip
     )
     if args.evaluate:
