@@ -142,16 +142,13 @@ def prefill_cache(
     lengths: Array,
 ) -> tuple[Cache, Array]:
     """Jitted `prefill` with the cache donated (updated in place): compress a context first."""
-    return prefill(
-        config,
-        policy,
-        params,
-        cache,
-        tokens,
-        lengths,
-        chunk_size=gen.chunk_size,
-        implementation=gen.implementation,
-    )
+    return _prefill_gen(config, policy, gen, params, cache, tokens, lengths)
+
+
+def _prefill_gen(config, policy, gen: GenerateConfig, params, cache, tokens, lengths):
+    """`prefill` with the chunk size and attention implementation of `gen`."""
+    knobs = dict(chunk_size=gen.chunk_size, implementation=gen.implementation)
+    return prefill(config, policy, params, cache, tokens, lengths, **knobs)
 
 
 def prefill_and_decode(
@@ -166,16 +163,7 @@ def prefill_and_decode(
 ) -> tuple[GenerateOutput, Cache]:
     """`prefill` the right-padded `tokens` ([B, S], S a multiple of gen.chunk_size) on top of
     whatever the cache holds, then `decode`."""
-    cache, logits = prefill(
-        config,
-        policy,
-        params,
-        cache,
-        tokens,
-        lengths,
-        chunk_size=gen.chunk_size,
-        implementation=gen.implementation,
-    )
+    cache, logits = _prefill_gen(config, policy, gen, params, cache, tokens, lengths)
     return decode(config, policy, gen, params, cache, logits, key)
 
 
