@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 
 import jax
@@ -48,6 +49,18 @@ class DecodeBench:
     peak_device_bytes: int | None  # the device allocator's peak so far (None where unreported)
 
 
+def _random_stats(layer, key: jax.Array, b: int, t: int) -> AttnStats:
+    """Random attention masses for every tier of `layer` and `t` new tokens per sequence."""
+    tier = lambda x: None if x is None else jax.random.uniform(key, x.pos.shape)
+    return AttnStats(
+        slot_mass=jax.random.uniform(key, layer.pos.shape),
+        new_mass=jax.random.uniform(key, (b, layer.k.shape[1], t)),
+        lse=jnp.zeros((b, t, 1)),
+        int8_mass=tier(layer.int8),
+        lowbit_mass=tier(layer.lowbit),
+    )
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
 def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
     """Write `chunk` random tokens per sequence through the policy (no model)."""
@@ -60,14 +73,7 @@ def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
         h, d = layer.k.shape[1], layer.k.shape[3]
         k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
         v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
-        tier = lambda t, km=km: None if t is None else jax.random.uniform(km, t.pos.shape)
-        stats = AttnStats(
-            slot_mass=jax.random.uniform(km, layer.pos.shape),
-            new_mass=jax.random.uniform(km, (b, h, chunk)),
-            lse=jnp.zeros((b, chunk, 1)),
-            int8_mass=tier(layer.int8),
-            lowbit_mass=tier(layer.lowbit),
-        )
+        stats = _random_stats(layer, km, b, chunk)
         layers.append(
             policy.write(layer, k, v, pos, valid, stats, cache.policy_state, layer_index=i)
         )
@@ -110,15 +116,7 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
         key, kk, km = jax.random.split(key, 3)
         h, d = layer.k.shape[1], layer.k.shape[3]
         kv = jax.random.normal(kk, (2, b, 1, h, d), layer.k.dtype)
-        tier = lambda t, km=km: None if t is None else jax.random.uniform(km, t.pos.shape)
-        stats = AttnStats(
-            slot_mass=jax.random.uniform(km, layer.pos.shape),
-            new_mass=jax.random.uniform(km, (b, h, 1)),
-            lse=jnp.zeros((b, 1, 1)),
-            int8_mass=tier(layer.int8),
-            lowbit_mass=tier(layer.lowbit),
-        )
-        inputs.append((kv, stats))
+        inputs.append((kv, _random_stats(layer, km, b, 1)))
 
     def body(_, cache):
         pos = cache.length[:, None]
@@ -130,6 +128,17 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
         return Cache(layers=layers, length=cache.length + 1, policy_state=cache.policy_state)
 
     return jax.lax.fori_loop(0, steps, body, cache)
+
+
+def hlo_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """The `copy` instructions of compiled HLO text whose result has one of `shapes` (e.g. a
+    cache's K/V shapes: an in-place decode step holds none), as "dtype[dims]" strings."""
+    found = []
+    for m in re.finditer(r"= (\w+)\[([0-9,]*)\]\{[^}]*\} copy\(", hlo_text):
+        shape = tuple(int(s) for s in m.group(2).split(",") if s)
+        if shape in shapes:
+            found.append(f"{m.group(1)}{list(shape)}")
+    return found
 
 
 def peak_device_bytes() -> int | None:

@@ -176,10 +176,11 @@ def bench_kernel(
         row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True), bytes_read=nbytes)
         try:
             if name == "copy":  # the bandwidth ceiling: read + write the BF16 K/V bytes once
-                sec = 2 * nbytes / (copy_bandwidth(nbytes) * 1e9)
+                moved = 2 * nbytes
+                sec = moved / (copy_bandwidth(nbytes) * 1e9)
             else:
+                moved = nbytes
                 sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
-            moved = 2 * nbytes if name == "copy" else nbytes
             res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
             res = KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape)

@@ -3,14 +3,12 @@ copy of a cache-sized array. (On the H200 a lax.cond that carried confkv's INT8 
 copy it every step: ~9 ms/step at Llama-3-8B shapes. XLA's CPU compiler inserts the same
 copies, so the check runs here; the GPU check is `scripts/find_cache_copies.py`.)"""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
 from policy_cases import build
 
-from kvjax.eval._bench import _decode, _policy_only
+from kvjax.eval._bench import _decode, _policy_only, hlo_copies
 from kvjax.generate import new_cache
 from kvjax.models import Arch, ModelConfig, init_params
 
@@ -32,13 +30,7 @@ def cache_copies(policy, config, *, model: bool = False) -> list[str]:
         lowered = _decode.lower(config, policy, 3, "xla", params, cache, tok)
     else:
         lowered = _policy_only.lower(policy, 3, cache, jax.random.key(0))
-    txt = lowered.compile().as_text()
-    found = []
-    for m in re.finditer(r"= (\w+)\[([0-9,]*)\]\{[^}]*\} copy\(", txt):
-        shape = tuple(int(s) for s in m.group(2).split(",") if s)
-        if shape in big:
-            found.append(f"{m.group(1)}{list(shape)}")
-    return found
+    return hlo_copies(lowered.compile().as_text(), big)
 
 
 CONFIG = dict(
