@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             spec,
             rank_decay=args.rank_decay,
             progress=show,
-        )  # fmt: skip
+        )
     )
     if args.evaluate:
         sc, params, _ = load_scorer(args.evaluate)

@@ -44,9 +44,9 @@ class QEvictPolicy(Policy):
         quant_share: q, the share of the routed budget the low-bit tier takes under pressure.
         bits: code width of the low-bit tier (2, 4 or 8).
         value_group: channels per value scale/zero (None: one group per token, as the paper).
-        moves: windows an event may quantize, and windows it may bring into full precision, per
-            KV head on the fast path that reads only those windows; an event needing more runs
-            the exact path over every candidate (same result, more bytes). None: always that.
+        moves: windows an event quantizes, and windows it brings into full precision, per round
+            and KV head; an event runs as many rounds as its busiest head needs, each reading
+            only the windows it moves. None: one round over every candidate (same result).
     """
 
     name = "qevict"
