@@ -2,13 +2,15 @@
 keeps the highest-priority older tokens, optionally stored in INT8.
 
 A token enters the ring; when it leaves the ring it competes for the ranked region by priority
-(the policy's `priority` of its score); the loser is evicted for good. Tokens in the ranked region
-stay in a dense prefix (contiguous compaction), so a smaller budget means fewer bytes read.
+(the policy's `priority` of its score); the loser is evicted for good. A merge (prefill) leaves
+the ranked region a dense prefix ordered by position; a decode eviction empties slots in place
+(holes, pos -1, which the next insertions fill first).
 
 Two code paths, checked against each other in tests:
 * decode (one token): O(C) scalar work and O(1) slot writes — the leaving ring token replaces the
-  lowest-priority ranked token (or fills the next free slot); a budget that shrank is enforced by
-  a compaction that runs under `lax.cond` only on the steps that need it;
+  lowest-priority ranked token (or fills the first free slot); a budget that shrank is enforced
+  by emptying the lowest-priority slots, under a `lax.cond` that carries only pos/score and runs
+  the sort only on the steps that need it;
 * merge (prefill chunks): all candidates (ring, ranked, new) are ranked and the region rebuilt.
 """
 

@@ -158,8 +158,8 @@ def live_bytes_of(layer):
     moves=st.sampled_from([None, 1, 2]),
 )
 def test_matches_reference_on_random_streams(seed, chunks, share, moves):
-    """moves 1/2: most events take the fast path that reads only moving windows, the others the
-    exact path; None: always the exact path."""
+    """moves 1/2: events that move more windows than that run several rounds; None: one round
+    over every candidate."""
     policy, spec = make(quant_share=share, moves=moves)
     run(policy, spec, chunks, seed)
 
