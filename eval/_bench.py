@@ -64,20 +64,18 @@ def _random_stats(layer, key: jax.Array, b: int, t: int) -> AttnStats:
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
 def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
     """Write `chunk` random tokens per sequence through the policy (no model)."""
-    layers = []
+    ks, vs, stats = [], [], []
     b = cache.length.shape[0]
     pos = cache.length[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]
     valid = jnp.ones((b, chunk), bool)
-    for i, layer in enumerate(cache.layers):
+    for layer in cache.layers:
         key, kk, kv, km = jax.random.split(key, 4)
         h, d = layer.k.shape[1], layer.k.shape[3]
-        k = jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype)
-        v = jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype)
-        stats = _random_stats(layer, km, b, chunk)
-        layers.append(
-            policy.write(layer, k, v, pos, valid, stats, cache.policy_state, layer_index=i)
-        )
-    return Cache(layers=tuple(layers), length=cache.length + chunk, policy_state=cache.policy_state)
+        ks.append(jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype))
+        vs.append(jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype))
+        stats.append(_random_stats(layer, km, b, chunk))
+    layers = policy.write_layers(cache.layers, ks, vs, pos, valid, stats, cache.policy_state)
+    return Cache(layers=layers, length=cache.length + chunk, policy_state=cache.policy_state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
@@ -121,9 +119,14 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
     def body(_, cache):
         pos = cache.length[:, None]
         valid = jnp.ones((b, 1), bool)
-        layers = tuple(
-            policy.write(layer, kv[0], kv[1], pos, valid, st, cache.policy_state, layer_index=i)
-            for i, (layer, (kv, st)) in enumerate(zip(cache.layers, inputs, strict=True))
+        layers = policy.write_layers(
+            cache.layers,
+            [kv[0] for kv, _ in inputs],
+            [kv[1] for kv, _ in inputs],
+            pos,
+            valid,
+            [st for _, st in inputs],
+            cache.policy_state,
         )
         return Cache(layers=layers, length=cache.length + 1, policy_state=cache.policy_state)
 

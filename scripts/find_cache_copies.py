@@ -1,8 +1,10 @@
 """Lists the copies of cache-sized arrays in a compiled decode loop, per policy (a debugging aid:
-an in-place decode step should copy none). Usage: python scripts/find_cache_copies.py [POLICY...]"""
+an in-place decode step should copy none). Usage: python scripts/find_cache_copies.py [POLICY...]
+With DUMP_HLO=DIR it also writes each compiled module's text there."""
 
 import collections
 import dataclasses
+import os
 import sys
 
 import jax
@@ -27,5 +29,9 @@ for name in sys.argv[1:] or list(budgets):
         ("policy", _policy_only.lower(pol, 4, cache, jax.random.key(0))),
         ("decode", _decode.lower(cfg, pol, 4, "auto", params, cache, jnp.zeros((2,), jnp.int32))),
     ):
-        hits = collections.Counter(hlo_copies(lowered.compile().as_text(), big))
+        text = lowered.compile().as_text()
+        if os.environ.get("DUMP_HLO"):  # the compiled module, for reading its kernels
+            with open(os.path.join(os.environ["DUMP_HLO"], f"{name}_{label}.hlo.txt"), "w") as f:
+                f.write(text)
+        hits = collections.Counter(hlo_copies(text, big))
         print(jax.default_backend(), name, label, dict(hits) or "no cache-sized copies", flush=True)

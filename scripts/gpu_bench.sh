@@ -57,6 +57,12 @@ case "${1:-foundation}" in
           --out "$OUT/decode_${pol}_${impl}_b$b.json"
       done
     done ;;
+  copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
+    shift
+    (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee "$OUT/copies.txt" ;;
+  probe)  # the policy's own write and control-flow costs (scripts/policy_step_probe.py ARGS)
+    shift
+    (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)

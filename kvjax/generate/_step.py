@@ -67,11 +67,8 @@ def model_step(
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
-    layers = tuple(
-        policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
-        for i, (layer, k, v, st) in enumerate(
-            zip(cache.layers, out.k_new, out.v_new, out.stats, strict=True)
-        )
+    layers = policy.write_layers(
+        cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
     )
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, new_cache

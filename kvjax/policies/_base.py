@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -124,6 +125,27 @@ class Policy(abc.ABC):
             state: the policy-wide state after `begin_step`.
             layer_index: which layer (for per-layer budgets).
         """
+
+    def write_layers(
+        self,
+        layers: Sequence[LayerCache],
+        k_new: Sequence[Array],
+        v_new: Sequence[Array],
+        pos_new: Array,
+        valid: Array,
+        stats: Sequence[AttnStats],
+        state: Any,
+    ) -> tuple[LayerCache, ...]:
+        """`write` into every layer (k_new, v_new, stats: one per layer, as in `write`).
+
+        A policy overrides this where one computation for all layers is cheaper than one per
+        layer (QEvict runs its data-movement loops once per step); the result must equal
+        `write` layer by layer.
+        """
+        return tuple(
+            self.write(layer, k, v, pos_new, valid, st, state, layer_index=i)
+            for i, (layer, k, v, st) in enumerate(zip(layers, k_new, v_new, stats, strict=True))
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

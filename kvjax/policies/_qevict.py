@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
 from kvjax.policies._base import Policy
-from kvjax.policies._qevict_move import apply_moves
+from kvjax.policies._qevict_move import MoveJob, apply_moves
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
 from kvjax.quant import BITS
 
@@ -153,6 +153,24 @@ class QEvictPolicy(Policy):
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del state, layer_index
+        return apply_moves(
+            [self._route(layer, k_new, v_new, pos_new, valid, stats)], moves=self.moves
+        )[0]
+
+    def write_layers(self, layers, k_new, v_new, pos_new, valid, stats, state):
+        """Every layer's write, with one pair of data-movement loops for all layers (see
+        `apply_moves`): the same result as `write` per layer, with 2 device-side loop trip
+        counts per step instead of 2 per layer."""
+        del state
+        jobs = [
+            self._route(layer, k, v, pos_new, valid, st)
+            for layer, k, v, st in zip(layers, k_new, v_new, stats, strict=True)
+        ]
+        return apply_moves(jobs, moves=self.moves)
+
+    def _route(self, layer, k_new, v_new, pos_new, valid, stats) -> MoveJob:
+        """One layer's write up to its data movement: scores, this call's tokens in the ring,
+        the routing event's metadata (under a cond on small arrays) and its MoveJob."""
         lay = self.layout(layer.k.shape[-1], layer.k.dtype)
         b, t, h, d = k_new.shape
         w, r, s = self.window, lay.ring, self.sinks
@@ -224,6 +242,4 @@ class QEvictPolicy(Policy):
             lowbit=lb.replace(pos=st.page_pos, score=st.page_score, held=st.held),
             aux=QEvictAux(fp_ledger=st.fp_ledger),
         )
-        return apply_moves(
-            layer, lay, plan, lb.pos, lb.score, new_k, new_v, new_score, nwin, moves=self.moves
-        )
+        return MoveJob(layer, lay, plan, lb.pos, lb.score, new_k, new_v, new_score, nwin)

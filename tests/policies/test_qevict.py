@@ -216,3 +216,57 @@ def test_generate_stays_within_byte_budget_and_uses_the_low_bit_tier(tiny_llama)
     assert live.max() <= policy.budget * tok * config.num_kv_heads * config.num_layers
     pages = np.asarray(out.telemetry.live_slots)[..., 2]
     assert pages.max() > 0  # windows did go to the low-bit tier
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _write_layers(policy, layers, k, v, n0, tables):
+    """_write's call for several layers (one mass table each) through `write_layers`."""
+    b, t = k.shape[:2]
+    pos = n0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.ones((b, t), bool)
+
+    def stats(layer, table):
+        look = lambda p: jnp.where(
+            p >= 0,
+            jnp.take_along_axis(
+                table, jnp.clip(p, 0, table.shape[-1] - 1).reshape(b, H, -1), axis=2
+            ).reshape(p.shape),
+            0.0,
+        )
+        return AttnStats(
+            slot_mass=look(layer.pos),
+            new_mass=look(jnp.broadcast_to(pos[:, None, :], (b, H, t))),
+            lse=jnp.zeros((b, t, H)),
+            lowbit_mass=look(layer.lowbit.pos),
+        )
+
+    st = [stats(layer, table) for layer, table in zip(layers, tables, strict=True)]
+    n = len(layers)
+    return policy.write_layers(layers, [k] * n, [v] * n, pos, valid, st, None)
+
+
+def test_write_layers_equals_write_per_layer():
+    """One pair of movement loops for all layers (layers routing different numbers of windows,
+    so some run rounds past their own) gives exactly each layer's own `write`."""
+    policy, spec = make(budget=44, quant_share=0.5, moves=1)
+    rng = np.random.default_rng(7)
+    n_layers, n = 3, 90
+    layers = (policy.empty_cache(spec).layers[0],) * n_layers
+    alone = list(layers)
+    data = rng.standard_normal((2, n + 9, H, D)).astype(np.float32)
+    n0 = 0
+    for t in [9] + [1] * 40 + [5] * 8:
+        tables = rng.integers(0, 10, (n_layers, 1, H, n)).astype(np.float32)
+        tables += 200 * (rng.random(tables.shape) < np.array([0.02, 0.1, 0.3])[:, None, None, None])
+        k, v = data[0, None, n0 : n0 + t], data[1, None, n0 : n0 + t]
+        start = np.array([n0], np.int32)
+        layers = _write_layers(policy, layers, k, v, start, tuple(tables))
+        alone = [
+            _write(policy, layer, k, v, start, np.array([t], np.int32), table)
+            for layer, table in zip(alone, tables, strict=True)
+        ]
+        n0 += t
+        for got, want in zip(layers, alone, strict=True):
+            jax.tree.map(np.testing.assert_array_equal, got, want)
+    low = [np.asarray(layer.lowbit.pos) for layer in layers]  # the layers routed differently
+    assert not np.array_equal(low[0], low[1]) and not np.array_equal(low[1], low[2])

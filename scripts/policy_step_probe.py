@@ -1,0 +1,80 @@
+"""Times the policy's own decode write (all layers, no model) at Llama-3-8B shapes, and the cost
+of data-dependent control flow inside a jitted loop on this backend. A debugging aid for the
+end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET..."""
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.eval._bench import _fill, _policy_only
+from kvjax.generate import new_cache
+from kvjax.models import PRESETS
+from kvjax.policies import BUDGETLESS, make_policy
+
+
+def timed(f, *args):
+    out = f(*args)
+    jax.block_until_ready(out)
+    t = time.perf_counter()
+    out = f(*args)
+    jax.block_until_ready(out)
+    return out, time.perf_counter() - t
+
+
+def control_flow(n_layers: int, steps: int = 64) -> None:
+    """ms per step of n_layers small elementwise updates, plain / under a cond / in a while."""
+    x = jnp.zeros((n_layers, 8, 8, 12650), jnp.float32)
+
+    def layer_plain(a):
+        return a * 0.5 + 1.0
+
+    def layer_cond(a):
+        return jax.lax.cond(jnp.any(a > 1e30), lambda y: y * 2.0, layer_plain, a)
+
+    def layer_while(a):
+        n = jnp.sum(a > 1e30).astype(jnp.int32)  # 0 rounds, known only on the device
+        return jax.lax.fori_loop(0, n, lambda _, y: y * 2.0, layer_plain(a))
+
+    for name, fn in (("plain", layer_plain), ("cond", layer_cond), ("while", layer_while)):
+        loop = jax.jit(
+            lambda x, fn=fn: jax.lax.fori_loop(
+                0, steps, lambda _, x: jnp.stack([fn(x[i]) for i in range(n_layers)]), x
+            )
+        )
+        _, sec = timed(loop, x)
+        print(f"control flow: {n_layers} layers, {name:6s}: {sec / steps * 1e3:.3f} ms/step")
+
+
+def main() -> None:
+    n_layers = int(sys.argv[1])
+    control_flow(n_layers)
+    cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=n_layers)
+    for spec in sys.argv[2:]:
+        name, budget = spec.split(":")
+        pol = (
+            make_policy(name)
+            if name in BUDGETLESS
+            else make_policy(name, int(budget), num_layers=n_layers)
+        )
+        cache = new_cache(cfg, pol, batch=8, max_len=32768 + 128, dtype=jnp.bfloat16)
+        key = jax.random.key(0)
+        for _ in range(32768 // 2048):
+            key, sub = jax.random.split(key)
+            cache = _fill(pol, 2048, cache, sub)
+        steps = 16
+        cache = _policy_only(pol, steps, cache, key)
+        jax.block_until_ready(cache.length)
+        t = time.perf_counter()
+        cache = _policy_only(pol, steps, cache, key)
+        jax.block_until_ready(cache.length)
+        ms = (time.perf_counter() - t) / steps * 1e3
+        print(
+            f"{name} budget {budget}: {n_layers} layers, policy alone {ms:.3f} ms/step", flush=True
+        )
+
+
+if __name__ == "__main__":
+    main()
