@@ -20,6 +20,8 @@ class Tuning:
         block_k: slots per loop step of the full-precision and INT8 kernels (a power of 2 >= 16).
         lowbit_block_k: tokens per loop step of the low-bit kernel (a power of 2).
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
+        lowbit_fold_scales: the low-bit kernel folds key statistics into q page by page
+            instead of dequantizing keys in registers.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
@@ -28,6 +30,7 @@ class Tuning:
     block_k: int = 64
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
+    lowbit_fold_scales: bool = False
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512

@@ -168,3 +168,49 @@ def test_triton_lowbit_block_sizes_agree(block_k):
     np.testing.assert_allclose(
         np.asarray(many.logits)[seen], np.asarray(one.logits)[seen], rtol=1e-5, atol=1e-6
     )
+
+
+FOLD_CASES = [
+    Case(dtype=dt, tiers=t, ratio=r, head_dim=hd)
+    for dt, t, r, hd in [
+        ("float32", "fp+int4", 4, 64),
+        ("bfloat16", "fp+int2", 3, 128),
+        ("float16", "fp+int8b", 1, 64),
+        ("bfloat16", "fp+int4", 4, 128),
+        ("float32", "fp+int2", 1, 128),
+    ]
+]
+
+
+@pytest.mark.parametrize("block_k", [16, 32])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
+def test_triton_lowbit_folded_scales_match_float64(case, block_k):
+    """The low-bit kernel variant that folds key statistics into q page by page (compiled on a
+    GPU, interpreted elsewhere) against the float64 oracle, with the tolerance of the main
+    class; block 32 spans two pages and overhangs the tier."""
+    from kvjax.pallas_kernels.decode_attention import (
+        decode_attention_lowbit_triton,
+        decode_attention_triton,
+    )
+
+    interpret = jax.default_backend() != "gpu"
+    q, q_pos, full, _, lowbit = make_tiers(case, _seed("fold", case, block_k))
+    scale = q.shape[-1] ** -0.5
+    kw = dict(scale=scale, num_splits=2, return_logits=True, interpret=interpret)
+    parts = [
+        decode_attention_triton(q, full, q_pos, block_k=16, **kw),
+        decode_attention_lowbit_triton(
+            q, lowbit, q_pos, bits=case.bits, block_k=block_k, fold_scales=True, **kw
+        ),
+    ]
+    got_out, got_lse = combine(parts)
+    out, lse, logits, seen = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
+    tol = TOL[case.dtype]
+    got = np.asarray(got_out, np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
+    np.testing.assert_allclose(np.asarray(got_lse), lse, atol=10 * tol)
+    vis4 = np.broadcast_to(seen[-1][:, :, None], logits[-1].shape)
+    np.testing.assert_allclose(
+        np.asarray(parts[1].logits)[vis4], logits[-1][vis4], atol=10 * tol, rtol=tol
+    )
