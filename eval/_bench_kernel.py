@@ -159,9 +159,15 @@ def bench_kernel(
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
-    num_splits, num_warps, num_stages overriding the tuned defaults), on the
-    same data. `on_row` sees each row as soon as it is timed (progress).
+    num_splits, num_warps, num_stages overriding the tuned defaults; fold_scales for the
+    low-bit rows only), on the same data. `on_row` sees each row as soon as it is timed (progress).
     """
+    lowbit_only = sorted({k for knobs in sweep for k in knobs} & {"fold_scales"})
+    wrong = [r for r in sweep_rows if "int4" not in r and "int2" not in r]
+    if lowbit_only and wrong:
+        raise ValueError(
+            f"sweep knob {lowbit_only[0]} applies to the low-bit rows only, not {wrong}"
+        )
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
     shape.update(head_dim=head_dim, device=dev)

@@ -63,6 +63,12 @@ case "${1:-foundation}" in
   probe)  # the policy's own write and control-flow costs (scripts/policy_step_probe.py ARGS)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
+  ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
+    shift
+    (cd /tmp && ncu --clock-control none -k 'regex:kvjax|triton' --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+      python3 "$OLDPWD/scripts/profile_kernel.py" "$@") 2>&1 | tee -a "$OUT/ncu.txt" ;;
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)

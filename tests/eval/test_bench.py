@@ -97,3 +97,16 @@ def test_bench_kernel_rows_bytes_and_errors():
     assert res["pallas-int4-bf16stats"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
+
+
+def test_bench_kernel_rejects_a_low_bit_knob_on_other_rows():
+    from kvjax.eval._bench_kernel import bench_kernel
+
+    with pytest.raises(ValueError, match="fold_scales applies to the low-bit rows only"):
+        bench_kernel(
+            batch=1,
+            context=64,
+            rows=(),
+            sweep=({"fold_scales": 1},),
+            sweep_rows=("pallas-int4", "pallas-bf16"),
+        )

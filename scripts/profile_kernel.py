@@ -1,0 +1,29 @@
+"""Runs one `kvjax bench kernel` row a few times, for a profiler to catch (a debugging aid).
+
+Usage: python scripts/profile_kernel.py ROW [BATCH CONTEXT] [KNOB=V ...]
+e.g. ncu --clock-control none -k regex:kvjax_decode python scripts/profile_kernel.py pallas-int8
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.eval._bench_kernel import ROWS, _cases
+
+args = sys.argv[1:]
+if not args or args[0] not in ROWS or args[0] == "copy":
+    raise SystemExit(
+        f"usage: profile_kernel.py ROW [BATCH CONTEXT] [KNOB=V ...]; ROW one of {ROWS}"
+    )
+row, rest = args[0], args[1:]
+nums = [a for a in rest if "=" not in a]
+batch, context = (int(nums[0]), int(nums[1])) if nums else (8, 32768)
+knobs = {k: int(v) for k, v in (a.split("=") for a in rest if "=" in a)}
+fn, nbytes = _cases(batch, context, 32, 8, 128, 32, 32, jax.random.key(0))[row]
+q = jax.random.normal(jax.random.key(1), (batch, 32, 128), jnp.bfloat16)
+f = jax.jit(lambda q: fn(q, knobs))
+for _ in range(3):
+    q = f(q).astype(q.dtype)
+jax.block_until_ready(q)
+print(f"{row} B={batch} S={context} {knobs}: ran 3 calls, {nbytes / 1e9:.3f} GB read each")
