@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
 Array = jax.Array
 _NEG = -1e30
@@ -145,6 +146,8 @@ def decode_attention_tpu(
         Partials with S = 1.
     """
     del num_splits
+    check_query(q, q_pos)
+    check_dense(tier, q)
     b, hkv, g, d = q.shape
     cap = tier.pos.shape[-1]
     bk = min(block_k or 512, cap)

@@ -28,6 +28,7 @@ from kvjax.pallas_kernels.decode_attention._tpu import (
     interpret_params,
     online_update,
 )
+from kvjax.pallas_kernels.decode_attention._validate import check_lowbit, check_query
 
 Array = jax.Array
 
@@ -135,8 +136,8 @@ def decode_attention_lowbit_tpu(
         Partials with S = 1; logits [B, Hkv, G, P·Tp].
     """
     del num_splits
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    check_query(q, q_pos)
+    check_lowbit(tier, q, bits)
     b, hkv, g, d = q.shape
     num_pages, tp, dp = tier.k.shape[2:]
     n = 8 // bits

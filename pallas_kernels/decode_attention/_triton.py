@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
 Array = jax.Array
 _NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
@@ -207,6 +208,8 @@ def decode_attention_triton(
     Returns:
         Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G], logits [B, Hkv, G, C] or None.
     """
+    check_query(q, q_pos)
+    check_dense(tier, q)
     tune = tuning_for()
     block_k = block_k or tune.block_k
     b, hkv, group, _ = q.shape

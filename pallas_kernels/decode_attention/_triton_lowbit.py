@@ -31,6 +31,7 @@ from kvjax.pallas_kernels.decode_attention._triton import (
 )
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
+from kvjax.pallas_kernels.decode_attention._validate import check_lowbit, check_query
 
 Array = jax.Array
 _NEG = -1e30
@@ -316,13 +317,11 @@ def decode_attention_lowbit_triton(
     Returns:
         Partials; logits are [B, Hkv, G, P·Tp].
     """
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    check_query(q, q_pos)
+    check_lowbit(tier, q, bits)
     tune = tuning_for()
     b, hkv, group, d = q.shape
     pages, tp, dp = tier.k.shape[2:]
-    if dp * 8 != d * bits:
-        raise ValueError(f"packed width {dp} does not hold D={d} channels at {bits} bits")
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     block_k = max(block_k or tune.lowbit_block_k, tp)

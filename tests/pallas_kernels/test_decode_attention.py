@@ -214,3 +214,69 @@ def test_triton_lowbit_folded_scales_match_float64(case, block_k):
     np.testing.assert_allclose(
         np.asarray(parts[1].logits)[vis4], logits[-1][vis4], atol=10 * tol, rtol=tol
     )
+
+
+def _bad_inputs():
+    """(name, kwargs of decode_attention with one thing wrong, message) from a good fp+int4 case."""
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=2, head_dim=64)
+    q, q_pos, full, _, lowbit = make_tiers(case, _seed("bad"))
+    int8 = make_tiers(Case(dtype="bfloat16", tiers="fp+int8", ratio=2, head_dim=64), 1)[3]
+    good = dict(q=q, q_pos=q_pos, full=full, lowbit=lowbit, bits=4)
+    bad = [
+        ("q 3 axes", dict(q=q[0]), r"q must be \[B, Hkv, G, D\]"),
+        ("q int", dict(q=q.astype(jnp.int32)), "q has dtype int32"),
+        ("q_pos float", dict(q_pos=q_pos.astype(jnp.float32)), "q_pos has dtype float32"),
+        ("q_pos batch", dict(q_pos=q_pos[:1]), r"q_pos has shape \(1,\); expected \(2,\)"),
+        ("full D", dict(full=full._replace(k=full.k[..., :32])), "FullTier.k has shape"),
+        ("k/v dtypes", dict(full=full._replace(v=full.v.astype(jnp.float32))), "differ in dtype"),
+        ("full pos", dict(full=full._replace(pos=full.pos[0])), r"FullTier.pos must be \[B"),
+        ("extent", dict(full=full._replace(extent=full.extent[0])), "FullTier.extent has shape"),
+        ("int8 codes", dict(int8=int8._replace(k=int8.k.astype(jnp.float32))), "Int8Tier.k has"),
+        ("int8 type", dict(int8=full), "int8 must be an Int8Tier"),
+        ("int8 scale", dict(int8=int8._replace(v_scale=int8.v_scale[..., None])), "v_scale"),
+        ("bits 3", dict(bits=3), "bits must be 2, 4 or 8"),
+        ("bits vs width", dict(bits=2), "packed width 32 does not hold D=64 channels at 2 bits"),
+        ("lowbit codes", dict(lowbit=lowbit._replace(k=lowbit.k.astype(jnp.int8))), "uint8"),
+        ("groups", dict(lowbit=lowbit._replace(v_scale=lowbit.v_scale[..., :0])), "value groups"),
+        ("lowbit pos", dict(lowbit=lowbit._replace(pos=lowbit.pos[..., :1])), "LowBitTier.pos"),
+    ]
+    return good, bad
+
+
+BAD = ("q 3 axes", "q int", "q_pos float", "q_pos batch", "full D", "k/v dtypes", "full pos")
+BAD += ("extent", "int8 codes", "int8 type", "int8 scale", "bits 3", "bits vs width")
+BAD += ("lowbit codes", "groups", "lowbit pos")
+
+
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+@pytest.mark.parametrize("name", BAD)
+def test_bad_inputs_raise_clear_errors(backend, name):
+    """Each wrong shape, dtype or tier type is named before any kernel is lowered."""
+    good, bad = _bad_inputs()
+    change, message = {n: (c, m) for n, c, m in bad}[name]
+    kw = {**good, **change}
+    with pytest.raises(ValueError, match=message):
+        decode_attention(
+            kw.pop("q"), kw.pop("q_pos"), scale=0.125, backend=backend, interpret=True, **kw
+        )
+
+
+def test_bad_input_list_is_complete():
+    assert tuple(n for n, _, _ in _bad_inputs()[1]) == BAD
+
+
+def test_kernel_entry_points_check_their_tier():
+    from kvjax.pallas_kernels.decode_attention import (
+        decode_attention_lowbit_triton,
+        decode_attention_tpu,
+        decode_attention_triton,
+    )
+
+    good, _ = _bad_inputs()
+    q, q_pos, full, lowbit = good["q"], good["q_pos"], good["full"], good["lowbit"]
+    with pytest.raises(ValueError, match="must be a FullTier or Int8Tier, got LowBitTier"):
+        decode_attention_triton(q, lowbit, q_pos, scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="must be a FullTier or Int8Tier, got LowBitTier"):
+        decode_attention_tpu(q, lowbit, q_pos, scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="must be a LowBitTier, got FullTier"):
+        decode_attention_lowbit_triton(q, full, q_pos, bits=4, scale=0.125, interpret=True)
