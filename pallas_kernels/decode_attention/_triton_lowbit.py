@@ -50,6 +50,22 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
     return [(i, j, i * sub + j, (i * sub + j) // vg) for i in range(n) for j in range(0, sub, w)]
 
 
+def _run_and_store(first, last, step, parts, w: int, gp: int, o_ref, lse_ref, group: int):
+    """Runs the online-softmax loop over [first, last) from empty accumulators (one [Gp, w] per
+    channel chunk) and stores the normalized chunks and the lse."""
+    init = (
+        [jnp.zeros((gp, w), jnp.float32) for _ in parts],
+        jnp.full((gp,), _NEG, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(first, last, step, init)
+    has = l > 0
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    inv = 1.0 / jnp.where(has, l, 1.0)
+    for a, (_, _, c0, _) in zip(acc, parts, strict=True):
+        store_rows(o_ref, a * inv[:, None], group, pl.ds(c0, w))
+
+
 def _kernel(
     extent_ref,  # [] int32 one past the last attended page
     qpos_ref,  # [] int32
@@ -131,17 +147,7 @@ def _kernel(
             new.append(a * corr[:, None] + pv + zero[:, None])
         return new, m_new, l
 
-    init = (
-        [jnp.zeros((gp, w), jnp.float32) for _ in parts],
-        jnp.full((gp,), _NEG, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    acc, m, l = lax.fori_loop(first, last, step, init)
-    has = l > 0
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    inv = 1.0 / jnp.where(has, l, 1.0)
-    for a, (_, _, c0, _) in zip(acc, parts, strict=True):
-        store_rows(o_ref, a * inv[:, None], group, pl.ds(c0, w))
+    _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
 
 def _kernel_folded(
@@ -252,17 +258,7 @@ def _kernel_folded(
                 new[c] = new[c] + pv + zero[:, None]
         return new, m_new, l
 
-    init = (
-        [jnp.zeros((gp, w), jnp.float32) for _ in parts],
-        jnp.full((gp,), _NEG, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    acc, m, l = lax.fori_loop(first, last, step, init)
-    has = l > 0
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    inv = 1.0 / jnp.where(has, l, 1.0)
-    for a, (_, _, c0, _) in zip(acc, parts, strict=True):
-        store_rows(o_ref, a * inv[:, None], group, pl.ds(c0, w))
+    _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
 
 @functools.partial(
