@@ -47,14 +47,19 @@ case "${1:-foundation}" in
     ;;
   decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context, one process per row
     # (so each row's allocator peak is its own). Budgets give 20% of the full cache's bytes:
-    # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it.
+    # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it
+    # (row confkv-bf16: confkv without INT8, 6554 BF16 tokens).
     for b in ${BATCHES:-8 1}; do
       for row in ${ROWS:-full:xla full:pallas confkv:pallas qevict:pallas}; do
-        pol=${row%%:*} impl=${row##*:}
-        budget=$(case $pol in confkv) echo 12650 ;; *) echo 6554 ;; esac)
+        name=${row%%:*} impl=${row##*:}
+        pol=$name budget=6554 extra=()
+        case $name in
+          confkv) budget=12650 ;;
+          confkv-bf16) pol=confkv extra=(--no-int8) ;;  # the same bytes, all of them BF16
+        esac
         run bench decode --preset Llama-3-8B --dtype bfloat16 --policy "$pol" --budget "$budget" \
-          --contexts 32768 --batch "$b" --steps "${STEPS:-16}" --copy-mib 4096 --attention "$impl" \
-          --out "$OUT/decode_${pol}_${impl}_b$b.json"
+          "${extra[@]}" --contexts 32768 --batch "$b" --steps "${STEPS:-16}" --copy-mib 4096 \
+          --attention "$impl" --out "$OUT/decode_${name}_${impl}_b$b.json"
       done
     done ;;
   copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
