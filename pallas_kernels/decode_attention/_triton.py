@@ -167,6 +167,37 @@ def partials(outs, group: int, return_logits: bool) -> Partials:
     return Partials(outs[0][:, :, :, :group], outs[1][..., :group], logits)
 
 
+def launch(
+    kernel,
+    arrays: list,
+    specs: list,
+    qp: Array,
+    *,
+    group: int,
+    splits: int,
+    slots: int,
+    return_logits: bool,
+    warps: int,
+    stages: int,
+    interpret: bool,
+    name: str,
+) -> Partials:
+    """Runs `kernel` over the grid (B, Hkv, splits) with the split outputs of padded queries
+    qp [B, Hkv, Gp, D] (and [Gp, slots] logits when asked) and returns its Partials."""
+    out_shape, out_specs = split_out_shapes(qp, group, splits, slots, return_logits)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(qp.shape[0], qp.shape[1], splits),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=name,
+    )(*arrays)
+    return partials(outs, group, return_logits)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -217,7 +248,6 @@ def decode_attention_triton(
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
     quantized = isinstance(tier, Int8Tier)
     qp = pad_group(q)
-    out_shape, out_specs = split_out_shapes(qp, group, splits, cap, return_logits)
     arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.pos]
     specs = [
         head_spec(),
@@ -239,16 +269,17 @@ def decode_attention_triton(
         group=group,
         return_logits=return_logits,
     )
-    outs = pl.pallas_call(
+    return launch(
         kernel,
-        grid=(b, hkv, splits),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or tune.num_warps, num_stages=num_stages or tune.num_stages
-        ),
+        arrays,
+        specs,
+        qp,
+        group=group,
+        splits=splits,
+        slots=cap,
+        return_logits=return_logits,
+        warps=num_warps or tune.num_warps,
+        stages=num_stages or tune.num_stages,
         interpret=interpret,
         name="kvjax_decode_int8" if quantized else "kvjax_decode_full",
-    )(*arrays)
-    return partials(outs, group, return_logits)
+    )

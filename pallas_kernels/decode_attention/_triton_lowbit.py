@@ -23,9 +23,8 @@ from kvjax.pallas_kernels.decode_attention._tiers import LowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._triton import (
     dot_f32,
     head_spec,
+    launch,
     pad_group,
-    partials,
-    split_out_shapes,
     split_range,
     store_rows,
 )
@@ -326,7 +325,6 @@ def decode_attention_lowbit_triton(
     n_tok = pages * tp
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
     qp = pad_group(q)
-    out_shape, out_specs = split_out_shapes(qp, group, splits, n_tok, return_logits)
     flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
     fold = tune.lowbit_fold_scales if fold_scales is None else bool(fold_scales)
     codes = (flat(tier.k), flat(tier.v)) if fold else (tier.k, tier.v)
@@ -343,17 +341,17 @@ def decode_attention_lowbit_triton(
         group=group,
         return_logits=return_logits,
     )
-    outs = pl.pallas_call(
+    return launch(
         kernel,
-        grid=(b, hkv, splits),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or tune.num_warps,
-            num_stages=num_stages or tune.lowbit_num_stages,
-        ),
+        arrays,
+        specs,
+        qp,
+        group=group,
+        splits=splits,
+        slots=n_tok,
+        return_logits=return_logits,
+        warps=num_warps or tune.num_warps,
+        stages=num_stages or tune.lowbit_num_stages,
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",
-    )(*arrays)
-    return partials(outs, group, return_logits)
+    )

@@ -2,6 +2,7 @@
 random attention streams: the same kept set after every step, through both the decode fast path
 and the general merge path."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,6 +80,11 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
         else (policy.int8_capacities(1, 0)[0],),
     )
     lc = init_cache(spec).layers[0]
+    # One compiled write per test case (not op-by-op dispatch of every op, every step).
+    if merge:
+        write = jax.jit(lambda *a: policy.merge(*a, layer))
+    else:
+        write = jax.jit(lambda *a: policy.write(*a, layer_index=layer))
     kept = []
     codes_seen = {}  # (head, position) -> (k codes, k scale) when first quantized
     for t, (m, state) in enumerate(zip(masses, states, strict=True)):
@@ -98,7 +104,7 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
         k = jnp.full((1, 1, H, D), float(t))
         pos = jnp.full((1, 1), t, jnp.int32)
         args = (lc, k, -k, pos, jnp.ones((1, 1), bool), stats, state)
-        lc = policy.merge(*args, layer) if merge else policy.write(*args, layer_index=layer)
+        lc = write(*args)
         step = []
         for h in range(H):
             p = np.asarray(lc.pos[0, h])
