@@ -144,6 +144,74 @@ def hlo_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
     return found
 
 
+_NO_LAUNCH = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier"}
+
+
+def _opcode(line: str) -> tuple[str, str] | None:
+    """(name, opcode) of one HLO instruction line, None if it is not one."""
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    if not m:
+        return None
+    rest = line[m.end() :]
+    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                rest = rest[i + 1 :]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    return (m.group(1), op.group(1)) if op else None
+
+
+def hlo_loop_launches(hlo_text: str) -> dict[str, int]:
+    """What one iteration of the entry computation's largest while loop (the decode loop)
+    launches, from compiled HLO text: fusions by kind, copies, custom calls, conds, and inner
+    loops split by whether their trip count is known at compile time ("while (dynamic)" costs a
+    device-to-host sync per iteration on GPU). Instructions that launch nothing (tuples,
+    parameters, bitcasts, constants, barriers) are not counted."""
+    comps: dict[str, list[str]] = {}
+    entry, cur = None, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            cur = head.group(2)
+            comps[cur] = []
+            entry = cur if head.group(1) else entry
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+
+    def top_level(name: str) -> list[str]:  # a computation's lines and those it calls (the CPU
+        # compiler wraps small loops in calls)
+        lines = comps.get(name, [])
+        called = [re.search(r"to_apply=%?([\w.\-]+)", ln) for ln in lines if " call(" in ln]
+        return lines + [x for m in called if m for x in top_level(m.group(1))]
+
+    bodies = [
+        re.search(r"body=%?([\w.\-]+)", ln).group(1) for ln in top_level(entry) if " while(" in ln
+    ]
+    if not bodies:
+        raise ValueError("the entry computation has no while loop")
+    body = max(bodies, key=lambda b: len(comps[b]))  # the decode loop, not a random-bits loop
+    counts: dict[str, int] = {}
+    for line in top_level(body):
+        parsed = _opcode(line)
+        if parsed is None or parsed[1] in _NO_LAUNCH or parsed[1] == "call":
+            continue
+        op = parsed[1]
+        if op == "fusion":
+            kind = re.search(r"kind=(\w+)", line)
+            op = f"fusion ({kind.group(1)})" if kind else op
+        elif op == "while":
+            op = "while (known trips)" if "known_trip_count" in line else "while (dynamic)"
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
 def peak_device_bytes() -> int | None:
     """The first device's allocator peak (bytes) so far; None where the backend has no stats."""
     stats = jax.devices()[0].memory_stats() or {}

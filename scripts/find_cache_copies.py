@@ -10,7 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from kvjax.eval._bench import _decode, _policy_only, hlo_copies
+from kvjax.eval._bench import _decode, _policy_only, hlo_copies, hlo_loop_launches
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS, init_params
 from kvjax.policies import BUDGETLESS, make_policy
@@ -34,4 +34,12 @@ for name in sys.argv[1:] or list(budgets):
             with open(os.path.join(os.environ["DUMP_HLO"], f"{name}_{label}.hlo.txt"), "w") as f:
                 f.write(text)
         hits = collections.Counter(hlo_copies(text, big))
-        print(jax.default_backend(), name, label, dict(hits) or "no cache-sized copies", flush=True)
+        launches = hlo_loop_launches(text)
+        print(
+            jax.default_backend(),
+            name,
+            label,
+            dict(hits) or "no cache-sized copies",
+            f"| {sum(launches.values())} launches per step {dict(sorted(launches.items()))}",
+            flush=True,
+        )

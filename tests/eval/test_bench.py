@@ -1,6 +1,7 @@
 """The decode benchmark measures what it says: live/physical bytes follow the formulas."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from kvjax.eval import bench_decode
@@ -110,3 +111,24 @@ def test_bench_kernel_rejects_a_low_bit_knob_on_other_rows():
             sweep=({"fold_scales": 1},),
             sweep_rows=("pallas-int4", "pallas-bf16"),
         )
+
+
+def test_hlo_loop_launches_counts_the_decode_loop_body():
+    """A compiled loop whose body holds a cond and a loop of device-side trip count, next to a
+    smaller loop: the larger loop's body is counted, its inner loop reported as dynamic."""
+    from kvjax.eval._bench import hlo_loop_launches
+
+    def body(_, x):
+        x = jax.lax.cond(x[0] > 0, lambda y: y * 2.0, lambda y: y - 1.0, x)
+        n = (x[1] > 0).astype(jnp.int32)  # known only on the device
+        return jax.lax.fori_loop(0, n, lambda _, y: jnp.sin(y), x)
+
+    def f(x):
+        x = jax.lax.fori_loop(0, 3, lambda _, y: y + 1.0, x)
+        return jax.lax.fori_loop(0, 5, body, x)
+
+    counts = hlo_loop_launches(jax.jit(f).lower(jnp.ones(8)).compile().as_text())
+    assert counts.get("conditional") == 1
+    assert counts.get("while (dynamic)") == 1
+    with pytest.raises(ValueError, match="no while loop"):
+        hlo_loop_launches(jax.jit(jnp.sin).lower(jnp.ones(8)).compile().as_text())
