@@ -170,8 +170,9 @@ class RankedPolicy(Policy):
         prio = self._prio(ranked, cur3, li)  # [B, H, M]
         live = jnp.sum(ranked.pos >= 0, axis=-1)  # [B, H]
         free = jnp.argmax(ranked.pos < 0, axis=-1)  # first empty slot (holes after evictions)
-        lowest = jnp.argmin(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
-        lowest_prio = jnp.min(jnp.where(ranked.pos >= 0, prio, _INF), axis=-1)
+        occupied_prio = jnp.where(ranked.pos >= 0, prio, _INF)
+        lowest = jnp.argmin(occupied_prio, axis=-1)
+        lowest_prio = jnp.min(occupied_prio, axis=-1)
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
         if self.frozen_in_decode:
             leave_prio = jnp.full_like(leave_prio, -_INF)
@@ -190,25 +191,22 @@ class RankedPolicy(Policy):
         slots (pos -1; K/V stay where they are, as holes the next tokens fill).
 
         The eviction (a sort) runs under lax.cond only when some head holds more than its
-        budget, and the cond carries only the ranked region's pos/score: a cond carrying K/V
+        budget, and the cond returns only the ranked region's positions: a cond carrying K/V
         would make XLA copy the whole tier every step (measured on the H200: ~9 ms/step for
         confkv at Llama-3-8B shapes, 32K context, batch 8)."""
         ranked = self._ranked(layer)
         live = jnp.sum(ranked.pos >= 0, axis=-1)
 
-        def evict(pos_score):
-            pos, score = pos_score
-            prio = self._prio(ranked.replace(pos=pos, score=score), cur3, li)
-            rank = jnp.argsort(jnp.argsort(-prio, axis=-1, stable=True), axis=-1)
-            return jnp.where((rank < budget[..., None]) & (pos >= 0), pos, -1), score
+        def evict(pos):
+            keep = _keep_top(self._prio(ranked, cur3, li), pos, budget)
+            return jnp.where(keep, pos, -1)
 
-        pos, score = jax.lax.cond(
-            jnp.any(live > budget), evict, lambda x: x, (ranked.pos, ranked.score)
-        )
+        pos = jax.lax.cond(jnp.any(live > budget), evict, lambda p: p, ranked.pos)
         if self.int8:
-            return layer.replace(int8=layer.int8.replace(pos=pos, score=score))
-        upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, self.ring, axis=2)
-        return layer.replace(pos=upd(layer.pos, pos), score=upd(layer.score, score))
+            return layer.replace(int8=layer.int8.replace(pos=pos))
+        return layer.replace(
+            pos=jax.lax.dynamic_update_slice_in_dim(layer.pos, pos, self.ring, axis=2)
+        )
 
     def _set_ranked(self, layer, toks: Tokens):
         if self.int8:
@@ -249,15 +247,20 @@ class RankedPolicy(Policy):
         return scatter_fp(layer, slot, new)
 
 
+def _keep_top(prio: Array, pos: Array, budget: Array) -> Array:
+    """[B, H, N] bool: the occupied slots (pos >= 0) among the `budget` [B, 1] highest
+    priorities [B, H, N] (ties: the lower index first)."""
+    rank = jnp.argsort(jnp.argsort(-prio, axis=-1, stable=True), axis=-1)
+    return (rank < budget[..., None]) & (pos >= 0)
+
+
 def _select_prefix(cands: Tokens, prio: Array, budget: Array, size: int) -> Tokens:
     """Keep the `budget` [B, 1] highest-priority occupied candidates, in a dense prefix of `size`
     slots ordered by position; the rest of the prefix is EMPTY."""
     n = cands.pos.shape[-1]
     if size > n:
         raise ValueError(f"ranked region ({size}) larger than its candidates ({n})")
-    order = jnp.argsort(-prio, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)
-    keep = (rank < budget[..., None]) & (cands.pos >= 0)
+    keep = _keep_top(prio, cands.pos, budget)
     # Kept first (by position), then everything else.
     key = jnp.where(keep, cands.pos, jnp.iinfo(jnp.int32).max)
     idx = jnp.argsort(key, axis=-1, stable=True)[..., :size]
