@@ -71,15 +71,13 @@ def attend(
     if scale is None:
         scale = d**-0.5
     implementation = resolve_implementation(implementation)
+    args = (q, layer, k_new, v_new, q_pos, new_valid, query_weight)
     if implementation == "pallas" and t == 1:
         from kvjax.attention._pallas import attend_pallas
 
-        return attend_pallas(
-            q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale,
-            need_mass=need_mass,
-        )  # fmt: skip
+        return attend_pallas(*args, scale=scale, need_mass=need_mass)
     if implementation in ("xla", "pallas"):
-        return attend_xla(q, layer, k_new, v_new, q_pos, new_valid, query_weight, scale=scale)
+        return attend_xla(*args, scale=scale)
     raise ValueError(
         f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
     )

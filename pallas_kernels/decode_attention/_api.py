@@ -8,7 +8,6 @@ import jax
 
 from kvjax.pallas_kernels.decode_attention._combine import combine
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier
-from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_lowbit, check_query
 
 Array = jax.Array
 Backend = Literal["triton", "tpu"]
@@ -73,16 +72,9 @@ def decode_attention(
         )
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    check_query(q, q_pos)
-    check_dense(full, q)
-    if int8 is not None:
-        if not isinstance(int8, Int8Tier):
-            raise ValueError(
-                f"decode attention: int8 must be an Int8Tier, got {type(int8).__name__}"
-            )
-        check_dense(int8, q)
-    if lowbit is not None:
-        check_lowbit(lowbit, q, bits)
+    # Each kernel entry point checks q, q_pos and its tier; only the tier's role is checked here.
+    if int8 is not None and not isinstance(int8, Int8Tier):
+        raise ValueError(f"decode attention: int8 must be an Int8Tier, got {type(int8).__name__}")
     knobs = dict(scale=scale, return_logits=return_logits, interpret=interpret)
     parts = [dense(q, full, q_pos, block_k=block_k, num_splits=num_splits, **knobs)]
     if int8 is not None:
