@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +133,34 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
         return Cache(layers=layers, length=cache.length + 1, policy_state=cache.policy_state)
 
     return jax.lax.fori_loop(0, steps, body, cache)
+
+
+def second_call_seconds(call: Callable[[Any], Any], state: Any) -> tuple[Any, float]:
+    """state = call(state) twice (the first compiles), timing the second; (state, seconds)."""
+    state = call(state)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    state = call(state)
+    jax.block_until_ready(state)
+    return state, time.perf_counter() - t
+
+
+def fill_random(
+    policy: Policy, cache: Cache, tokens: int, chunk: int, key: jax.Array
+) -> tuple[Cache, jax.Array]:
+    """Write `tokens` random tokens per sequence through the policy, `chunk` per call."""
+    for _ in range(tokens // chunk):
+        key, sub = jax.random.split(key)
+        cache = _fill(policy, chunk, cache, sub)
+    return cache, key
+
+
+def policy_seconds_per_step(
+    policy: Policy, steps: int, cache: Cache, key: jax.Array
+) -> tuple[Cache, float]:
+    """The policy's own decode write, all layers, timed alone (`_policy_only`): (cache, s/step)."""
+    cache, sec = second_call_seconds(lambda c: _policy_only(policy, steps, c, key), cache)
+    return cache, sec / steps
 
 
 def hlo_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
@@ -253,25 +283,15 @@ def bench_decode(
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     cache = new_cache(config, policy, batch=batch, max_len=context + 4 * steps + 1, dtype=dtype)
     key = jax.random.key(0)
-    for _ in range(context // fill_chunk):
-        key, sub = jax.random.split(key)
-        cache = _fill(policy, fill_chunk, cache, sub)
+    cache, key = fill_random(policy, cache, context, fill_chunk, key)
     kv_live = int(live_bytes(cache).sum())
     kv_phys = physical_bytes(cache)
     tok = jnp.zeros((batch,), jnp.int32)
-    cache, tok = _decode(config, policy, steps, implementation, params, cache, tok)  # compile
-    jax.block_until_ready(tok)
-    t = time.perf_counter()
-    cache, tok = _decode(config, policy, steps, implementation, params, cache, tok)
-    jax.block_until_ready(tok)
-    sec = (time.perf_counter() - t) / steps
+    step = lambda s: _decode(config, policy, steps, implementation, params, *s)
+    (cache, tok), sec = second_call_seconds(step, (cache, tok))
+    sec /= steps
     peak = peak_device_bytes()  # before the policy-only loop: the model's decode peak
-    cache = _policy_only(policy, steps, cache, key)  # compile
-    jax.block_until_ready(cache.length)
-    t = time.perf_counter()
-    cache = _policy_only(policy, steps, cache, key)
-    jax.block_until_ready(cache.length)
-    policy_sec = (time.perf_counter() - t) / steps
+    cache, policy_sec = policy_seconds_per_step(policy, steps, cache, key)
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     bw = copy_bandwidth(copy_bytes)
     return DecodeBench(

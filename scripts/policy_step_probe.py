@@ -4,24 +4,14 @@ end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS P
 
 import dataclasses
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.eval._bench import _fill, _policy_only
+from kvjax.eval._bench import fill_random, policy_seconds_per_step, second_call_seconds
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS
 from kvjax.policies import BUDGETLESS, make_policy
-
-
-def timed(f, *args):
-    out = f(*args)
-    jax.block_until_ready(out)
-    t = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    return out, time.perf_counter() - t
 
 
 def control_flow(n_layers: int, steps: int = 64) -> None:
@@ -44,7 +34,7 @@ def control_flow(n_layers: int, steps: int = 64) -> None:
                 0, steps, lambda _, x: jnp.stack([fn(x[i]) for i in range(n_layers)]), x
             )
         )
-        _, sec = timed(loop, x)
+        _, sec = second_call_seconds(loop, x)
         print(f"control flow: {n_layers} layers, {name:6s}: {sec / steps * 1e3:.3f} ms/step")
 
 
@@ -60,17 +50,9 @@ def main() -> None:
             else make_policy(name, int(budget), num_layers=n_layers)
         )
         cache = new_cache(cfg, pol, batch=8, max_len=32768 + 128, dtype=jnp.bfloat16)
-        key = jax.random.key(0)
-        for _ in range(32768 // 2048):
-            key, sub = jax.random.split(key)
-            cache = _fill(pol, 2048, cache, sub)
-        steps = 16
-        cache = _policy_only(pol, steps, cache, key)
-        jax.block_until_ready(cache.length)
-        t = time.perf_counter()
-        cache = _policy_only(pol, steps, cache, key)
-        jax.block_until_ready(cache.length)
-        ms = (time.perf_counter() - t) / steps * 1e3
+        cache, key = fill_random(pol, cache, 32768, 2048, jax.random.key(0))
+        _, sec = policy_seconds_per_step(pol, 16, cache, key)
+        ms = sec * 1e3
         print(
             f"{name} budget {budget}: {n_layers} layers, policy alone {ms:.3f} ms/step", flush=True
         )
