@@ -10,7 +10,7 @@ demo: setup
 test: setup
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m ruff format --check .
-	.venv/bin/python -m pytest -q -n 2
+	.venv/bin/python -m pytest -q -n 2 --durations=10
 
 lint: setup
 	.venv/bin/python -m ruff check .

@@ -1,6 +1,9 @@
 """Strict JAX settings for every test, and shared fixtures.
 
-Two fake CPU devices (sharding tests), rank promotion raises, dtype promotion strict.
+Two fake CPU devices (sharding tests), rank promotion raises, dtype promotion strict, and CPU
+computations run inline rather than dispatched asynchronously: the Pallas TPU interpreter's
+callbacks run jitted code inside a running computation, and with async dispatch that nested
+call can wait forever for a slot held by work queued behind it (docs/decisions.md).
 """
 
 import os
@@ -16,6 +19,7 @@ from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
