@@ -163,6 +163,17 @@ def policy_seconds_per_step(
     return cache, sec / steps
 
 
+def cache_sized_shapes(cache, head_dim: int, ring: int = 64) -> set[tuple[int, ...]]:
+    """Shapes of a cache's K/V-sized arrays, [B, Hkv, slots, head_dim] with more slots than a
+    recent-token ring (the full-precision tier and the INT8 codes): what an in-place decode step
+    must never copy. (Copying the small ring is cheap and sometimes what XLA chooses.)"""
+    return {
+        tuple(x.shape)
+        for x in jax.tree.leaves(cache)
+        if x.ndim == 4 and x.shape[2] > ring and x.shape[3] == head_dim
+    }
+
+
 def hlo_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
     """The `copy` instructions of compiled HLO text whose result has one of `shapes` (e.g. a
     cache's K/V shapes: an in-place decode step holds none), as "dtype[dims]" strings."""

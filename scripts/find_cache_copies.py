@@ -10,7 +10,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from kvjax.eval._bench import _decode, _policy_only, hlo_copies, hlo_loop_launches
+from kvjax.eval._bench import (
+    _decode,
+    _policy_only,
+    cache_sized_shapes,
+    hlo_copies,
+    hlo_loop_launches,
+)
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS, init_params
 from kvjax.policies import BUDGETLESS, make_policy
@@ -24,7 +30,7 @@ for name in sys.argv[1:] or list(budgets):
     b = budgets.get(name, 819)
     pol = make_policy(name) if name in BUDGETLESS else make_policy(name, b, num_layers=2)
     cache = new_cache(cfg, pol, batch=2, max_len=CTX, dtype=jnp.bfloat16)
-    big = {tuple(x.shape) for x in jax.tree.leaves(cache) if x.size >= 2 * 8 * 64 * 32}
+    big = cache_sized_shapes(cache, cfg.head_dim)
     for label, lowered in (
         ("policy", _policy_only.lower(pol, 4, cache, jax.random.key(0))),
         ("decode", _decode.lower(cfg, pol, 4, "auto", params, cache, jnp.zeros((2,), jnp.int32))),

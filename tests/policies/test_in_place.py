@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from policy_cases import build
 
-from kvjax.eval._bench import _decode, _policy_only, hlo_copies
+from kvjax.eval._bench import _decode, _policy_only, cache_sized_shapes, hlo_copies
 from kvjax.generate import new_cache
 from kvjax.models import Arch, ModelConfig, init_params
 
@@ -17,12 +17,7 @@ def cache_copies(policy, config, *, model: bool = False) -> list[str]:
     """Copies of cache-sized arrays in the compiled loop of policy writes alone, or (model) of
     whole model decode steps."""
     cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
-    # K/V-sized arrays: the full-precision tier (beyond a small ring) and the INT8 codes
-    big = {
-        tuple(x.shape)
-        for x in jax.tree.leaves(cache)
-        if x.ndim == 4 and x.shape[2] > 64 and x.shape[3] == config.head_dim
-    }
+    big = cache_sized_shapes(cache, config.head_dim)
     assert big, "the case has no cache-sized arrays to check"
     if model:
         params = init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
@@ -49,3 +44,14 @@ def test_model_decode_step_copies_no_cache_sized_array(case):
     # Attention reads the cache and the policy then writes into it, in one jitted step.
     policy = build(case, 200)
     assert cache_copies(policy, ModelConfig(**CONFIG), model=True) == []
+
+
+def test_cache_sized_shapes_are_the_big_kv_arrays_not_the_ring():
+    config = ModelConfig(**CONFIG)
+    cache = new_cache(config, build("confkv-int8", 200), batch=2, max_len=512, dtype=jnp.bfloat16)
+    kv = [x for x in jax.tree.leaves(cache) if x.ndim == 4 and x.shape[3] == config.head_dim]
+    small = {tuple(x.shape) for x in kv if x.shape[2] <= 64}
+    big = cache_sized_shapes(cache, config.head_dim)
+    assert big and small, (big, small)  # this case has both a ring and cache-sized tiers
+    assert big == {tuple(x.shape) for x in kv} - small
+    assert cache_sized_shapes(cache, config.head_dim, ring=10**6) == set()
