@@ -48,6 +48,13 @@ class KernelBench:
     error: str | None = None
 
 
+# Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
+_ROW_KNOBS = {
+    "fold_scales": (lambda r: "int4" in r or "int2" in r, "low-bit"),
+    "int8_qk": (lambda r: r == "pallas-int8", "INT8"),
+}
+
+
 def _nbytes(*xs) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in xs))
 
@@ -160,14 +167,13 @@ def bench_kernel(
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
     num_splits, num_warps, num_stages overriding the tuned defaults; fold_scales for the
-    low-bit rows only), on the same data. `on_row` sees each row as soon as it is timed (progress).
+    low-bit rows only, int8_qk for the INT8 row only), on the same data. `on_row` sees each row
+    as soon as it is timed (progress).
     """
-    lowbit_only = sorted({k for knobs in sweep for k in knobs} & {"fold_scales"})
-    wrong = [r for r in sweep_rows if "int4" not in r and "int2" not in r]
-    if lowbit_only and wrong:
-        raise ValueError(
-            f"sweep knob {lowbit_only[0]} applies to the low-bit rows only, not {wrong}"
-        )
+    for knob, (rows_of, label) in _ROW_KNOBS.items():
+        wrong = [r for r in sweep_rows if not rows_of(r)]
+        if wrong and any(knob in knobs for knobs in sweep):
+            raise ValueError(f"sweep knob {knob} applies to the {label} rows only, not {wrong}")
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
     shape.update(head_dim=head_dim, device=dev)

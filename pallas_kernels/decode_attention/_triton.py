@@ -3,7 +3,9 @@
 One program per (sequence, KV head, split) attends all G query heads of that KV head (padded to
 16 rows for the tensor cores) over the split's share of the blocks before the live extent:
 blockwise online softmax, K/V read once, INT8 codes converted in registers with the per-token K
-scale applied to the logits and the V scale to the probabilities. Splits are combined outside
+scale applied to the logits and the V scale to the probabilities. With `int8_qk` the INT8 kernel
+instead quantizes q per query head once and runs QK as an int8 × int8 → int32 dot, so key codes
+are never converted. Splits are combined outside
 (`combine`). Pallas' Triton lowering is deprecated since JAX 0.11 (docs/decisions.md says why it
 is still our first GPU backend).
 """
@@ -75,6 +77,7 @@ def _kernel(
     pos_ref,  # [C] int32, -1 = empty
     *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D], lse_ref [Gp], logits_ref [Gp, C]?
     quantized: bool,
+    int8_qk: bool,
     scale: float,
     block_k: int,
     num_splits: int,
@@ -89,6 +92,11 @@ def _kernel(
     qpos = qpos_ref[()]
     cdt = q_ref.dtype if quantized else k_ref.dtype
     q = q_ref[...].astype(cdt)
+    if int8_qk:  # symmetric per query head: q ≈ q_scale · q8, |q8| <= 127
+        qf = q_ref[...].astype(jnp.float32)
+        q_scale = jnp.max(jnp.abs(qf), axis=1) / 127.0
+        q_scale = jnp.where(q_scale > 0, q_scale, 1.0)
+        q = jnp.floor(qf / q_scale[:, None] + 0.5).astype(jnp.int8)
     extent = jnp.minimum(extent_ref[()], cap)
     first, last = split_range(extent, pl.cdiv(cap, block_k), block_k, num_splits)
 
@@ -99,7 +107,10 @@ def _kernel(
         inb = start + jnp.arange(block_k, dtype=jnp.int32) < extent  # never load past it
         pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
         k = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)
-        s = dot_f32(q, k.astype(cdt), trans_b=True)  # [Gp, bk]
+        if int8_qk:  # int32 products of codes, exact in float32 (|s| < 127² · D < 2^24)
+            s = dot_f32(q, k, trans_b=True).astype(jnp.float32) * q_scale[:, None]
+        else:
+            s = dot_f32(q, k.astype(cdt), trans_b=True)  # [Gp, bk]
         if quantized:
             s = s * (plgpu.load(ks_ref.at[rows], mask=inb, other=0.0) * scale)[None, :]
         else:
@@ -207,6 +218,7 @@ def launch(
         "num_warps",
         "num_stages",
         "return_logits",
+        "int8_qk",
         "interpret",
     ),
 )
@@ -221,6 +233,7 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_logits: bool = False,
+    int8_qk: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one full-precision or INT8 tier.
@@ -234,6 +247,9 @@ def decode_attention_triton(
         num_splits: splits S per (sequence, KV head); default fills the chip.
         num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
         return_logits: also return every read slot's scaled logits (for the attention mass).
+        int8_qk: INT8 tier only: quantize q per query head to int8 and run QK on the tensor
+            cores' int8 path (adds q's rounding, ≤ max|q|/254 per element, to the logits);
+            default from the device's Tuning.
         interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -242,11 +258,14 @@ def decode_attention_triton(
     check_query(q, q_pos)
     check_dense(tier, q)
     tune = tuning_for()
+    quantized = isinstance(tier, Int8Tier)
+    if int8_qk and not quantized:
+        raise ValueError("int8_qk applies to an Int8Tier only (a FullTier has no int8 keys)")
+    int8_qk = quantized and (tune.int8_qk if int8_qk is None else bool(int8_qk))
     block_k = block_k or tune.block_k
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
-    quantized = isinstance(tier, Int8Tier)
     qp = pad_group(q)
     arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.pos]
     specs = [
@@ -263,6 +282,7 @@ def decode_attention_triton(
     kernel = functools.partial(
         _kernel,
         quantized=quantized,
+        int8_qk=int8_qk,
         scale=scale,
         block_k=block_k,
         num_splits=splits,

@@ -22,6 +22,7 @@ class Tuning:
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         lowbit_fold_scales: the low-bit kernel folds key statistics into q page by page
             instead of dequantizing keys in registers.
+        int8_qk: the INT8 kernel quantizes q per query head and runs QK as an int8 dot.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
@@ -31,6 +32,7 @@ class Tuning:
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
     lowbit_fold_scales: bool = False
+    int8_qk: bool = False
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512

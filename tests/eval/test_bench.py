@@ -100,17 +100,18 @@ def test_bench_kernel_rows_bytes_and_errors():
         assert "Error" in res["pallas-int4"].error
 
 
-def test_bench_kernel_rejects_a_low_bit_knob_on_other_rows():
+@pytest.mark.parametrize(
+    "knob, rows, message",
+    [
+        ("fold_scales", ("pallas-int4", "pallas-bf16"), "fold_scales applies to the low-bit rows"),
+        ("int8_qk", ("pallas-int8", "pallas-int4"), "int8_qk applies to the INT8 rows only"),
+    ],
+)
+def test_bench_kernel_rejects_a_row_specific_knob_on_other_rows(knob, rows, message):
     from kvjax.eval._bench_kernel import bench_kernel
 
-    with pytest.raises(ValueError, match="fold_scales applies to the low-bit rows only"):
-        bench_kernel(
-            batch=1,
-            context=64,
-            rows=(),
-            sweep=({"fold_scales": 1},),
-            sweep_rows=("pallas-int4", "pallas-bf16"),
-        )
+    with pytest.raises(ValueError, match=message):
+        bench_kernel(batch=1, context=64, rows=(), sweep=({knob: 1},), sweep_rows=rows)
 
 
 def test_hlo_loop_launches_counts_the_decode_loop_body():

@@ -280,3 +280,44 @@ def test_kernel_entry_points_check_their_tier():
         decode_attention_tpu(q, lowbit, q_pos, scale=0.125, interpret=True)
     with pytest.raises(ValueError, match="must be a LowBitTier, got FullTier"):
         decode_attention_lowbit_triton(q, full, q_pos, bits=4, scale=0.125, interpret=True)
+
+
+INT8_QK_CASES = [
+    Case(dtype=dt, tiers="fp+int8", ratio=r, head_dim=hd)
+    for dt, r, hd in [("float32", 4, 64), ("bfloat16", 3, 128), ("float16", 1, 64)]
+]
+
+
+@pytest.mark.parametrize("case", INT8_QK_CASES, ids=lambda c: f"{c.dtype}-g{c.ratio}-d{c.head_dim}")
+def test_triton_int8_qk_matches_float64(case):
+    """The INT8 kernel with q quantized per query head and an int8 QK dot (compiled on a GPU,
+    interpreted elsewhere) against the float64 oracle. q's rounding (≤ max|q|/254 per element)
+    bounds the extra logit error, so the tolerance is bfloat16's for every dtype; the result
+    must also differ from the unquantized-q kernel (the knob took effect)."""
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    interpret = jax.default_backend() != "gpu"
+    q, q_pos, full, int8, _ = make_tiers(case, _seed("int8_qk", case))
+    scale = q.shape[-1] ** -0.5
+    kw = dict(scale=scale, num_splits=2, block_k=16, return_logits=True, interpret=interpret)
+    full_part = decode_attention_triton(q, full, q_pos, **kw)
+    qk8, plain = (decode_attention_triton(q, int8, q_pos, int8_qk=f, **kw) for f in (True, False))
+    got_out, got_lse = combine([full_part, qk8])
+    out, lse, logits, seen = oracle(q, q_pos, full, int8, None, None, scale)
+    got = np.asarray(got_out, np.float64)
+    assert np.all(np.isfinite(got))
+    err = np.linalg.norm(got - out) / np.linalg.norm(out)
+    assert err < TOL["bfloat16"]
+    np.testing.assert_allclose(np.asarray(got_lse), lse, atol=10 * TOL["bfloat16"])
+    vis = np.broadcast_to(seen[1][:, :, None], logits[1].shape)
+    np.testing.assert_allclose(np.asarray(qk8.logits)[vis], logits[1][vis], atol=0.1)
+    assert not np.array_equal(np.asarray(qk8.logits)[vis], np.asarray(plain.logits)[vis])
+
+
+def test_int8_qk_needs_an_int8_tier():
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    case = Case(dtype="bfloat16", tiers="fp", ratio=2, head_dim=64)
+    q, q_pos, full, _, _ = make_tiers(case, 0)
+    with pytest.raises(ValueError, match="int8_qk applies to an Int8Tier only"):
+        decode_attention_triton(q, full, q_pos, scale=0.125, int8_qk=True, interpret=True)
