@@ -82,6 +82,7 @@ class ConfKVPolicy(RankedPolicy):
                     f"{tight} (layer {li}) must exceed the protected window {self.ring} "
                     f"(protected={self.protected}, fp_window={self.fp_window if self.int8 else 0})"
                 )
+        self._check()
 
     @property
     def ring(self) -> int:

@@ -31,11 +31,13 @@ from kvjax.policies._regions import (
     int8_tokens,
     replace_fp_range,
     scatter_fp,
+    scatter_fused,
     scatter_int8,
 )
 
 Array = jax.Array
 _INF = jnp.inf
+WRITE_KERNELS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,10 @@ class RankedPolicy(Policy):
     @abc.abstractmethod
     def ring(self) -> int:
         """W: most recent tokens, kept in full precision and never evicted."""
+
+    # "pallas": a decode step's slot writes (the token leaving the ring into the ranked region,
+    # the new token into the ring) run as one kernel instead of one XLA scatter per array.
+    write_kernel: str = "xla"
 
     # Decode keeps the ranked region as prefill left it: scores stop changing and a token leaving
     # the ring only enters the ranked region if there is a free slot (SnapKV).
@@ -98,6 +104,11 @@ class RankedPolicy(Policy):
 
     # --- cache layout ------------------------------------------------------------------------
     def _check(self) -> None:
+        if self.write_kernel not in WRITE_KERNELS:
+            raise ValueError(
+                f"{type(self).__name__}: write_kernel must be one of {WRITE_KERNELS}, "
+                f"got {self.write_kernel!r}"
+            )
         if self.ring < 1:
             raise ValueError(f"{type(self).__name__}: the recent window must be >= 1 token")
         for layer in (0,):
@@ -179,6 +190,14 @@ class RankedPolicy(Policy):
         m = ranked.pos.shape[-1]
         target = jnp.where(live < budget, free, jnp.where(leave_prio > lowest_prio, lowest, m))
         target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
+        if self.write_kernel == "pallas":
+            ring_slot = jnp.where(valid[:, :, None], ring_slot, layer.capacity)
+            if self.int8:
+                return scatter_fused(layer, (ring_slot, new), (target, leaving.quantized()))
+            slots = jnp.concatenate(
+                [jnp.where(target < m, target + w, layer.capacity), ring_slot], -1
+            )
+            return scatter_fused(layer, (slots, leaving.concat(new)))
         if self.int8:
             layer = layer.replace(int8=scatter_int8(layer.int8, target, leaving.quantized()))
         else:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import Int8Tier, LayerCache
+from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots
 from kvjax.quant import quantize_int8
 
 Array = jax.Array
@@ -93,6 +94,30 @@ def scatter_fp(layer: LayerCache, slots: Array, toks: Tokens) -> LayerCache:
 def scatter_int8(tier: Int8Tier, slots: Array, toks: Tokens) -> Int8Tier:
     """Write INT8 toks into INT8 slots [B, H, N]."""
     return _scatter(tier, slots, toks, _INT8_FIELDS)
+
+
+def scatter_fused(
+    layer: LayerCache, fp: tuple[Array, Tokens], int8: tuple[Array, Tokens] | None = None
+) -> LayerCache:
+    """`scatter_fp(layer, *fp)` and `scatter_int8(layer.int8, *int8)` as one kernel launch
+    (`kvjax.pallas_kernels.slot_write`; the interpreter on CPU) instead of one XLA scatter per
+    array. Slots are [B, H, N]; out of range = drop."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        raise ValueError("write_kernel='pallas' has no TPU kernel yet; use write_kernel='xla'")
+    fields = lambda store, toks, names: (
+        tuple(getattr(store, f) for f in names),
+        tuple(getattr(toks, f) for f in names),
+    )
+    writes = [SlotWrite(fp[0], *fields(layer, fp[1], _FP_FIELDS))]
+    if int8 is not None:
+        writes.append(SlotWrite(int8[0], *fields(layer.int8, int8[1], _INT8_FIELDS)))
+    outs = write_slots(*writes, interpret=backend == "cpu")
+    layer = layer.replace(**dict(zip(_FP_FIELDS, outs[0], strict=True)))
+    if int8 is not None:
+        tier = layer.int8.replace(**dict(zip(_INT8_FIELDS, outs[1], strict=True)))
+        layer = layer.replace(int8=tier)
+    return layer
 
 
 def replace_fp_range(layer: LayerCache, start: int, toks: Tokens) -> LayerCache:

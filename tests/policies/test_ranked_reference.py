@@ -2,6 +2,8 @@
 random attention streams: the same kept set after every step, through both the decode fast path
 and the general merge path."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,7 +129,7 @@ def run_jit(policy, masses, states, *, merge: bool, layer=0):
                 assert float(lc.k[0, h, slot, 0]) == p[slot]
             step.append(set(int(x) for x in allp))
         kept.append(step)
-    return kept
+    return kept, lc
 
 
 def policies():
@@ -161,13 +163,39 @@ def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
         states = [None] * steps
         budgets = [policy.max_budget(layer) - policy.ring] * steps
     want = simulate(policy, masses, budgets, layer)
-    got = run_jit(policy, masses, states, merge=merge, layer=layer)
+    got, _ = run_jit(policy, masses, states, merge=merge, layer=layer)
     for t in range(steps):
         assert got[t] == want[t], f"step {t}"
         for h in range(H):
             # Live never exceeds the budget in force; the newest `ring` are always kept.
             assert len(got[t][h]) <= policy.ring + budgets[t]
             assert set(range(max(0, t - policy.ring + 1), t + 1)) <= got[t][h]
+
+
+@pytest.mark.parametrize("idx", [0, 5, 6], ids=["h2o", "confkv", "confkv-int8"])
+def test_pallas_slot_writes_equal_xla_scatters(idx):
+    """write_kernel="pallas" (one slot-write kernel per decode step, interpreted on CPU) leaves
+    exactly the cache the XLA scatters leave, step after step, on a random attention stream."""
+    policy = policies()[idx]
+    fused = dataclasses.replace(policy, write_kernel="pallas")
+    rng = np.random.default_rng(idx)
+    steps = 20
+    masses = rng.random((steps, H, steps)).astype(np.float32)
+    states = [jnp.asarray([c]) for c in rng.random(steps) < 0.5]
+    if not isinstance(policy, ConfKVPolicy):
+        states = [None] * steps
+    want_kept, want = run_jit(policy, masses, states, merge=False)
+    got_kept, got = run_jit(fused, masses, states, merge=False)
+    assert got_kept == want_kept
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unknown_write_kernel_is_named():
+    for build in (lambda: make_policy("h2o", 8, write_kernel="cuda"),
+                  lambda: ConfKVPolicy(budget=1000, write_kernel="cuda")):  # fmt: skip
+        with pytest.raises(ValueError, match="write_kernel must be one of"):
+            build()
 
 
 @pytest.mark.parametrize(
