@@ -1,5 +1,6 @@
 """Lists the copies of cache-sized arrays in a compiled decode loop, per policy (a debugging aid:
 an in-place decode step should copy none). Usage: python scripts/find_cache_copies.py [POLICY...]
+(POLICY@pallas: a ranked policy with write_kernel="pallas").
 With DUMP_HLO=DIR it also writes each compiled module's text there."""
 
 import collections
@@ -26,9 +27,11 @@ cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=2, vocab_size=1024)
 params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
 # (kvpop is not listed: its shipped scorers fit SmolLM2's shapes only)
 budgets = {"confkv": 1580, "qevict": 819, "h2o": 819, "kivi": None, "full": None}
-for name in sys.argv[1:] or list(budgets):
+for spec in sys.argv[1:] or list(budgets):
+    name, _, writes = spec.partition("@")  # NAME@pallas: ranked slot writes by one kernel
     b = budgets.get(name, 819)
-    pol = make_policy(name) if name in BUDGETLESS else make_policy(name, b, num_layers=2)
+    kw = dict(write_kernel=writes) if writes else {}
+    pol = make_policy(name) if name in BUDGETLESS else make_policy(name, b, num_layers=2, **kw)
     cache = new_cache(cfg, pol, batch=2, max_len=CTX, dtype=jnp.bfloat16)
     big = cache_sized_shapes(cache, cfg.head_dim)
     for label, lowered in (
@@ -37,13 +40,13 @@ for name in sys.argv[1:] or list(budgets):
     ):
         text = lowered.compile().as_text()
         if os.environ.get("DUMP_HLO"):  # the compiled module, for reading its kernels
-            with open(os.path.join(os.environ["DUMP_HLO"], f"{name}_{label}.hlo.txt"), "w") as f:
+            with open(os.path.join(os.environ["DUMP_HLO"], f"{spec}_{label}.hlo.txt"), "w") as f:
                 f.write(text)
         hits = collections.Counter(hlo_copies(text, big))
         launches = hlo_loop_launches(text)
         print(
             jax.default_backend(),
-            name,
+            spec,
             label,
             dict(hits) or "no cache-sized copies",
             f"| {sum(launches.values())} launches per step {dict(sorted(launches.items()))}",
