@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kvjax.policies._base import Policy
 from kvjax.policies._regions import (
+    SlotWrites,
     Tokens,
     fp_slice,
     int8_from_tokens,
@@ -32,7 +33,6 @@ from kvjax.policies._regions import (
     replace_fp_range,
     scatter_fp,
     scatter_fused,
-    scatter_int8,
 )
 
 Array = jax.Array
@@ -160,7 +160,27 @@ class RankedPolicy(Policy):
             layer = layer.replace(int8=t.replace(score=up(t.score, stats.int8_mass, t.pos)))
         return layer
 
+    def write_layers(self, layers, k_new, v_new, pos_new, valid, stats, state):
+        """With write_kernel="pallas", a decode step's slot writes of every layer run as one
+        kernel launch (one per layer otherwise). Policies that override `write` (KVpop) keep
+        one launch per layer."""
+        one_launch = self.write_kernel == "pallas" and type(self).write is RankedPolicy.write
+        if not one_launch or k_new[0].shape[1] != 1:
+            return super().write_layers(layers, k_new, v_new, pos_new, valid, stats, state)
+        plans = [
+            self._decode_plan(layer, k, v, pos_new, valid, st, state, i)
+            for i, (layer, k, v, st) in enumerate(zip(layers, k_new, v_new, stats, strict=True))
+        ]
+        return tuple(scatter_fused(plans))
+
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
+        layer, writes = self._decode_plan(layer, k_new, v_new, pos_new, valid, stats, state, li)
+        if self.write_kernel == "pallas":
+            return scatter_fused([(layer, writes)])[0]
+        return writes.apply(layer)
+
+    def _decode_plan(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
+        """The layer after score updates and any budget shrink, and its pending slot writes."""
         b, _, h, _ = k_new.shape
         w = self.ring
         cur = pos_new[:, 0]
@@ -190,20 +210,14 @@ class RankedPolicy(Policy):
         m = ranked.pos.shape[-1]
         target = jnp.where(live < budget, free, jnp.where(leave_prio > lowest_prio, lowest, m))
         target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
-        if self.write_kernel == "pallas":
-            ring_slot = jnp.where(valid[:, :, None], ring_slot, layer.capacity)
-            if self.int8:
-                return scatter_fused(layer, (ring_slot, new), (target, leaving.quantized()))
-            slots = jnp.concatenate(
-                [jnp.where(target < m, target + w, layer.capacity), ring_slot], -1
-            )
-            return scatter_fused(layer, (slots, leaving.concat(new)))
-        if self.int8:
-            layer = layer.replace(int8=scatter_int8(layer.int8, target, leaving.quantized()))
-        else:
-            layer = scatter_fp(layer, jnp.where(target < m, target + w, layer.capacity), leaving)
         ring_slot = jnp.where(valid[:, :, None], ring_slot, layer.capacity)
-        return scatter_fp(layer, ring_slot, new)
+        if self.int8:
+            return layer, SlotWrites(fp=(ring_slot, new), int8=(target, leaving.quantized()))
+        # leaving and new tokens go to different slots (ranked region vs ring): one write of 2
+        new = new.replace(k=new.k.astype(layer.k.dtype), v=new.v.astype(layer.v.dtype))
+        ranked_slot = jnp.where(target < m, target + w, layer.capacity)
+        slots = jnp.concatenate([ranked_slot, ring_slot], axis=-1)
+        return layer, SlotWrites(fp=(slots, leaving.concat(new)))
 
     def _shrink(self, layer, budget, cur3, li):
         """Evict the lowest-priority ranked tokens down to `budget` [B, 1] by emptying their

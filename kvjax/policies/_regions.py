@@ -96,28 +96,49 @@ def scatter_int8(tier: Int8Tier, slots: Array, toks: Tokens) -> Int8Tier:
     return _scatter(tier, slots, toks, _INT8_FIELDS)
 
 
-def scatter_fused(
-    layer: LayerCache, fp: tuple[Array, Tokens], int8: tuple[Array, Tokens] | None = None
-) -> LayerCache:
-    """`scatter_fp(layer, *fp)` and `scatter_int8(layer.int8, *int8)` as one kernel launch
-    (`kvjax.pallas_kernels.slot_write`; the interpreter on CPU) instead of one XLA scatter per
-    array. Slots are [B, H, N]; out of range = drop."""
+@struct.dataclass
+class SlotWrites:
+    """A layer's pending decode writes: `fp` = (slots [B, H, N], Tokens) into its full-precision
+    slots, `int8` = the same into its INT8 tier (or None). Out-of-range slots are dropped."""
+
+    fp: tuple[Array, Tokens]
+    int8: tuple[Array, Tokens] | None = None
+
+    def apply(self, layer: LayerCache) -> LayerCache:
+        """The writes as XLA scatters, one per array."""
+        if self.int8 is not None:
+            layer = layer.replace(int8=scatter_int8(layer.int8, *self.int8))
+        return scatter_fp(layer, *self.fp)
+
+
+def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache]:
+    """Every layer's SlotWrites in one kernel launch (`kvjax.pallas_kernels.slot_write`; the
+    interpreter on CPU) instead of one XLA scatter per array and layer. Equal to
+    `writes.apply(layer)` for each (layer, writes)."""
     backend = jax.default_backend()
     if backend == "tpu":
         raise ValueError("write_kernel='pallas' has no TPU kernel yet; use write_kernel='xla'")
-    fields = lambda store, toks, names: (
-        tuple(getattr(store, f) for f in names),
-        tuple(getattr(toks, f) for f in names),
-    )
-    writes = [SlotWrite(fp[0], *fields(layer, fp[1], _FP_FIELDS))]
-    if int8 is not None:
-        writes.append(SlotWrite(int8[0], *fields(layer.int8, int8[1], _INT8_FIELDS)))
-    outs = write_slots(*writes, interpret=backend == "cpu")
-    layer = layer.replace(**dict(zip(_FP_FIELDS, outs[0], strict=True)))
-    if int8 is not None:
-        tier = layer.int8.replace(**dict(zip(_INT8_FIELDS, outs[1], strict=True)))
-        layer = layer.replace(int8=tier)
-    return layer
+
+    def group(store, slots_toks, names) -> SlotWrite:
+        slots, toks = slots_toks
+        return SlotWrite(
+            slots, tuple(getattr(store, f) for f in names), tuple(getattr(toks, f) for f in names)
+        )
+
+    groups = []
+    for layer, w in plans:
+        groups.append(group(layer, w.fp, _FP_FIELDS))
+        if w.int8 is not None:
+            groups.append(group(layer.int8, w.int8, _INT8_FIELDS))
+    outs = iter(write_slots(*groups, interpret=backend == "cpu"))
+    done = []
+    for layer, w in plans:
+        layer = layer.replace(**dict(zip(_FP_FIELDS, next(outs), strict=True)))
+        if w.int8 is not None:
+            tier = layer.int8.replace(**dict(zip(_INT8_FIELDS, next(outs), strict=True)))
+            layer = layer.replace(int8=tier)
+        done.append(layer)
+    return done
 
 
 def replace_fp_range(layer: LayerCache, start: int, toks: Tokens) -> LayerCache:
