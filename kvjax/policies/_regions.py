@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import Int8Tier, LayerCache
-from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots
 from kvjax.quant import quantize_int8
 
 Array = jax.Array
@@ -115,11 +114,13 @@ def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache
     """Every layer's SlotWrites in one kernel launch (`kvjax.pallas_kernels.slot_write`; the
     interpreter on CPU) instead of one XLA scatter per array and layer. Equal to
     `writes.apply(layer)` for each (layer, writes)."""
+    from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots  # Triton: load on use
+
     backend = jax.default_backend()
     if backend == "tpu":
         raise ValueError("write_kernel='pallas' has no TPU kernel yet; use write_kernel='xla'")
 
-    def group(store, slots_toks, names) -> SlotWrite:
+    def group(store, slots_toks, names):
         slots, toks = slots_toks
         return SlotWrite(
             slots, tuple(getattr(store, f) for f in names), tuple(getattr(toks, f) for f in names)
