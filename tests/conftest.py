@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,6 +26,18 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.load_profile("ci")
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop JAX's compile caches after every test module. XLA's CPU JIT keeps ~3 memory mappings
+    per compiled object until its executable is freed; a test worker that compiled half the suite
+    held ~65K of them, the kernel's limit (vm.max_map_count = 65530), and the next compile
+    crashed inside XLA (segfault or abort). Cleared per module, a worker stays at a few
+    thousand (docs/decisions.md)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
