@@ -3,11 +3,10 @@
 One program per (sequence, KV head, split) attends all G query heads of that KV head (padded to
 16 rows for the tensor cores) over the split's share of the blocks before the live extent:
 blockwise online softmax, K/V read once, INT8 codes converted in registers with the per-token K
-scale applied to the logits and the V scale to the probabilities. With `int8_qk` the INT8 kernel
+scale applied to the logits and the V scale to the probabilities; with `int8_qk` the INT8 kernel
 instead quantizes q per query head once and runs QK as an int8 × int8 → int32 dot, so key codes
-are never converted. Splits are combined outside
-(`combine`). Pallas' Triton lowering is deprecated since JAX 0.11 (docs/decisions.md says why it
-is still our first GPU backend).
+are never converted. Splits are combined outside (`combine`). Pallas' Triton lowering is
+deprecated since JAX 0.11 (docs/decisions.md says why it is still our first GPU backend).
 """
 
 from __future__ import annotations
@@ -91,12 +90,13 @@ def _kernel(
     gp = q_ref.shape[0]
     qpos = qpos_ref[()]
     cdt = q_ref.dtype if quantized else k_ref.dtype
-    q = q_ref[...].astype(cdt)
     if int8_qk:  # symmetric per query head: q ≈ q_scale · q8, |q8| <= 127
         qf = q_ref[...].astype(jnp.float32)
         q_scale = jnp.max(jnp.abs(qf), axis=1) / 127.0
         q_scale = jnp.where(q_scale > 0, q_scale, 1.0)
         q = jnp.floor(qf / q_scale[:, None] + 0.5).astype(jnp.int8)
+    else:
+        q = q_ref[...].astype(cdt)
     extent = jnp.minimum(extent_ref[()], cap)
     first, last = split_range(extent, pl.cdiv(cap, block_k), block_k, num_splits)
 
