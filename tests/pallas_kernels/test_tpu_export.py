@@ -8,41 +8,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from decode_cases import abstract_tiers
 
-from kvjax.pallas_kernels.decode_attention import FullTier, Int8Tier, LowBitTier, decode_attention
+from kvjax.pallas_kernels.decode_attention import decode_attention
 
 B, HKV, G, D, C, CQ, P, TP, VG = 2, 2, 4, 128, 1000, 512, 20, 32, 32
-f32, i32 = jnp.float32, jnp.int32
+i32 = jnp.int32
 sds = jax.ShapeDtypeStruct
 
 
 def _tiers(bits: int, dtype):
-    full = FullTier(
-        sds((B, HKV, C, D), dtype),
-        sds((B, HKV, C, D), dtype),
-        sds((B, HKV, C), i32),
-        sds((B, HKV), i32),
-    )
-    int8 = Int8Tier(
-        sds((B, HKV, CQ, D), jnp.int8),
-        sds((B, HKV, CQ, D), jnp.int8),
-        sds((B, HKV, CQ), f32),
-        sds((B, HKV, CQ), f32),
-        sds((B, HKV, CQ), i32),
-        sds((B, HKV), i32),
-    )
-    dp = D * bits // 8
-    lowbit = LowBitTier(
-        sds((B, HKV, P, TP, dp), jnp.uint8),
-        sds((B, HKV, P, TP, dp), jnp.uint8),
-        sds((B, HKV, P, D), f32),
-        sds((B, HKV, P, D), f32),
-        sds((B, HKV, P, TP, D // VG), f32),
-        sds((B, HKV, P, TP, D // VG), f32),
-        sds((B, HKV, P, TP), i32),
-        sds((B, HKV), i32),
-    )
-    return full, int8, lowbit  # fmt: skip
+    return abstract_tiers(B, HKV, D, C, CQ, P, TP, VG, bits, dtype)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -11,12 +11,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from decode_cases import abstract_tiers
 from jax import export
 
 from kvjax.pallas_kernels.decode_attention import (
-    FullTier,
-    Int8Tier,
-    LowBitTier,
     decode_attention_lowbit_triton,
     decode_attention_triton,
 )
@@ -49,21 +47,8 @@ def _q(dtype=jnp.bfloat16):
     return sds((B, HKV, G, D), dtype), sds((B,), i32)
 
 
-def _int8():
-    return Int8Tier(
-        sds((B, HKV, C, D), jnp.int8), sds((B, HKV, C, D), jnp.int8), sds((B, HKV, C), f32),
-        sds((B, HKV, C), f32), sds((B, HKV, C), i32), sds((B, HKV), i32),
-    )  # fmt: skip
-
-
-def _lowbit(bits: int):
-    dp = D * bits // 8
-    return LowBitTier(
-        sds((B, HKV, P, TP, dp), jnp.uint8), sds((B, HKV, P, TP, dp), jnp.uint8),
-        sds((B, HKV, P, D), f32), sds((B, HKV, P, D), f32),
-        sds((B, HKV, P, TP, D // VG), f32), sds((B, HKV, P, TP, D // VG), f32),
-        sds((B, HKV, P, TP), i32), sds((B, HKV), i32),
-    )  # fmt: skip
+def _tiers(bits: int = 2, dtype=jnp.bfloat16):
+    return abstract_tiers(B, HKV, D, C, C, P, TP, VG, bits, dtype)
 
 
 KNOBS = dict(scale=D**-0.5, num_splits=4, num_warps=4, num_stages=2)
@@ -74,9 +59,8 @@ KNOBS = dict(scale=D**-0.5, num_splits=4, num_warps=4, num_stages=2)
 def test_dense_kernels_lower_for_h200(tier, logits):
     dtype = jnp.float16 if tier == "fp16" else jnp.bfloat16
     q, q_pos = _q(dtype)
-    full = FullTier(sds((B, HKV, C, D), dtype), sds((B, HKV, C, D), dtype),
-                    sds((B, HKV, C), i32), sds((B, HKV), i32))  # fmt: skip
-    data = _int8() if tier.startswith("int8") else full
+    full, int8, _ = _tiers(dtype=dtype)
+    data = int8 if tier.startswith("int8") else full
     extra = dict(int8_qk=True) if tier == "int8_qk" else {}
     fn = functools.partial(
         decode_attention_triton, block_k=64, return_logits=logits, **KNOBS, **extra
@@ -93,7 +77,7 @@ def test_lowbit_kernels_lower_for_h200(bits, fold):
         decode_attention_lowbit_triton, bits=bits, block_k=64, fold_scales=fold,
         return_logits=True, **KNOBS,
     )  # fmt: skip
-    assert _export(fn, q, _lowbit(bits), q_pos).count("__gpu$xla.gpu.triton") == 1
+    assert _export(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_slot_write_lowers_for_h200_with_every_array_aliased():
@@ -104,7 +88,7 @@ def test_slot_write_lowers_for_h200_with_every_array_aliased():
         (sds((B, HKV, 1, D), jnp.bfloat16), sds((B, HKV, 1, D), jnp.bfloat16),
          sds((B, HKV, 1), i32), sds((B, HKV, 1), f32)),
     )  # fmt: skip
-    t = _int8()
+    t = _tiers()[1]
     ranked = SlotWrite(
         sds((B, HKV, 1), i32),
         (t.k, t.v, t.pos, t.k_scale, t.v_scale),
