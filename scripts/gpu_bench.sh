@@ -75,7 +75,7 @@ case "${1:-foundation}" in
     (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
   ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
     shift
-    (cd /tmp && ncu --clock-control none -k 'regex:kvjax|triton' --launch-skip 1 --launch-count 1 \
+    (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
       python3 "$OLDPWD/scripts/profile_kernel.py" "$@") 2>&1 | tee -a "$OUT/ncu.txt" ;;
