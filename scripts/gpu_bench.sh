@@ -32,12 +32,14 @@ case "${1:-foundation}" in
     ;;
   kernel)  # compiled (not interpreted) kernel tests, then `bench kernel` (+ SWEEP knob grid)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      (cd /tmp && JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q \
+      # cuda first (the default backend), cpu for the TPU-interpreter cases' host callbacks.
+      (cd /tmp && JAX_PLATFORMS=cuda,cpu timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q \
         --maxfail=5 -p no:cacheprovider -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
         --continue-on-collection-errors -W ignore::pytest.PytestConfigWarning \
         "$OLDPWD/tests/pallas_kernels/test_decode_attention.py" \
-        "$OLDPWD/tests/pallas_kernels/test_slot_write.py" -k "not Interpret" 2>&1 \
-        | tail -60) | tee "$OUT/kernel_tests.txt" || true
+        "$OLDPWD/tests/pallas_kernels/test_slot_write.py" -k "not Interpret" \
+        >"$OUT/kernel_tests.txt" 2>&1) || true
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/kernel_tests.txt" | tail -20 || true
     fi
     # Ours first: a slow baseline at the end cannot hide our rows. One line per row as it ends.
     # shellcheck disable=SC2086
@@ -78,7 +80,9 @@ case "${1:-foundation}" in
     (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
-      python3 "$OLDPWD/scripts/profile_kernel.py" "$@") 2>&1 | tee -a "$OUT/ncu.txt" ;;
+      --section InstructionStats --metrics "${NCU_METRICS:-smsp__inst_executed_pipe_xu.sum,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed.sum}" \
+      python3 "$OLDPWD/scripts/profile_kernel.py" "$@") >"$OUT/ncu_$1.log" 2>&1 || true
+    grep -E "^ +[A-Z].* +[a-z%/]* +[0-9.,]+$|^  [a-z_]+|==PROF==|Error|rror:" "$OUT/ncu_$1.log" | head -120 ;;
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)
