@@ -50,7 +50,6 @@ class KernelBench:
 
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
-    "fold_scales": (lambda r: "int4" in r or "int2" in r, "low-bit"),
     "int8_qk": (lambda r: r == "pallas-int8", "INT8"),
 }
 
@@ -166,8 +165,8 @@ def bench_kernel(
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
-    num_splits, num_warps, num_stages overriding the tuned defaults; fold_scales for the
-    low-bit rows only, int8_qk for the INT8 row only), on the same data. `on_row` sees each row
+    num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk for the INT8 row
+    only), on the same data. `on_row` sees each row
     as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():

@@ -249,7 +249,8 @@ def decode_attention_triton(
         return_logits: also return every read slot's scaled logits (for the attention mass).
         int8_qk: INT8 tier only: quantize q per query head to int8 and run QK on the tensor
             cores' int8 path (adds q's rounding, ≤ max|q|/254 per element, to the logits);
-            default from the device's Tuning.
+            default: the device's Tuning.int8_qk for a bfloat16 q (whose own rounding is of
+            that size), off for float16/float32 q, which keep their precision.
         interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -261,7 +262,9 @@ def decode_attention_triton(
     quantized = isinstance(tier, Int8Tier)
     if int8_qk and not quantized:
         raise ValueError("int8_qk applies to an Int8Tier only (a FullTier has no int8 keys)")
-    int8_qk = quantized and (tune.int8_qk if int8_qk is None else bool(int8_qk))
+    if int8_qk is None:
+        int8_qk = tune.int8_qk and q.dtype == jnp.bfloat16
+    int8_qk = quantized and bool(int8_qk)
     block_k = block_k or tune.block_k
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]

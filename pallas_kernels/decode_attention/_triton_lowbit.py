@@ -149,117 +149,6 @@ def _kernel(
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
 
-def _kernel_folded(
-    extent_ref,  # [] int32 one past the last attended page
-    qpos_ref,  # [] int32
-    q_ref,  # [Gp, D]
-    k_ref,  # [N, Dp] uint8 packed key codes, N = P·Tp tokens in page order
-    v_ref,  # [N, Dp] uint8 packed value codes
-    ks_ref,  # [P, D] key scale per page and channel
-    kz_ref,  # [P, D] key zero
-    vs_ref,  # [N, NG] value scale per token and channel group
-    vz_ref,  # [N, NG] value zero
-    pos_ref,  # [N] int32, -1 = not attended
-    o_ref,  # [Gp, D] f32 (rows >= G never written)
-    lse_ref,  # [Gp] f32
-    *logits_ref,  # [Gp, N] f32 (return_logits; rows >= G never written)
-    page: int,
-    bits: int,
-    scale: float,
-    block_k: int,
-    num_splits: int,
-    group: int,
-    return_logits: bool,
-):
-    """The low-bit kernel with the key statistics folded into q, page by page.
-
-    q·(code·scale + zero) = (q⊙scale)·code + q·zero for a page's per-channel statistics, so the
-    QK dots run on raw codes (converted, never scaled) against q scaled once per page, and every
-    tile is a page's [Tp, w] rows of the flat code arrays: no [pages, Tp, w] → [block, w]
-    relayout. The online-softmax rescale is still paid once per block_k tokens.
-    """
-    n_tok, _ = k_ref.shape
-    npg = block_k // page  # pages per loop step
-    gp, d = q_ref.shape
-    ng = vs_ref.shape[-1]
-    mask = (1 << bits) - 1
-    parts = chunks(d, bits, ng)
-    w = min(d * bits // 8, d // ng)  # channels per chunk
-    cdt = q_ref.dtype
-    qpos = qpos_ref[()]
-    q = [q_ref[:, pl.ds(c0, w)].astype(jnp.float32) for _, _, c0, _ in parts]  # [Gp, w] each
-    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
-    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
-    js = sorted({j for _, j, _, _ in parts})
-    grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
-
-    def codes(packed: Array, i: int) -> Array:
-        return (packed >> (i * bits)) & mask  # [Tp, w] uint8
-
-    def step(it, carry):
-        acc, m, l = carry
-        pgs = []
-        for pg in range(npg):  # every load of the block is issued before the first use
-            r0 = pl.multiple_of(it * block_k + pg * page, page)
-            rows = pl.ds(r0, page)
-            inb = r0 + lax.broadcasted_iota(jnp.int32, (page,), 0) < extent
-            pin = jnp.broadcast_to(r0 < extent, (w,))  # the page's statistics
-            pidx = jnp.minimum(it * npg + pg, ks_ref.shape[0] - 1)
-            kp = {
-                j: plgpu.load(k_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js
-            }
-            vp = {
-                j: plgpu.load(v_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js
-            }
-            stat = lambda ref, c0, pidx=pidx, pin=pin: plgpu.load(
-                ref.at[pidx, pl.ds(c0, w)], mask=pin, other=0
-            ).astype(jnp.float32)
-            pgs.append(
-                dict(
-                    rows=rows,
-                    inb=inb,
-                    pos=plgpu.load(pos_ref.at[rows], mask=inb, other=-1),
-                    kp=kp,
-                    vp=vp,
-                    ks=[stat(ks_ref, c0) for _, _, c0, _ in parts],
-                    kz=[stat(kz_ref, c0) for _, _, c0, _ in parts],
-                    vs=[plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps],
-                    vz=[plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps],
-                )
-            )
-        ss = []
-        for t in pgs:
-            s = jnp.zeros((gp, page), jnp.float32)
-            zq = jnp.zeros((gp,), jnp.float32)
-            for qc, ksc, kzc, (i, j, _, _) in zip(q, t["ks"], t["kz"], parts, strict=True):
-                qs = (qc * ksc[None, :]).astype(cdt)  # the page's key scales on q
-                s = s + dot_f32(qs, codes(t["kp"][j], i).astype(cdt), trans_b=True)
-                zq = zq + jnp.sum(qc * kzc[None, :], axis=1)  # and its zeros: q·zero
-            s = (s + zq[:, None]) * scale
-            s = jnp.where(((t["pos"] >= 0) & (t["pos"] <= qpos))[None, :], s, -jnp.inf)
-            if return_logits:
-                store_rows(logits_ref[0], s, group, t["rows"], t["inb"])
-            ss.append(s)
-        m_new = m
-        for s in ss:
-            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
-        corr = jnp.exp(m - m_new)
-        ps = [jnp.exp(s - m_new[:, None]) for s in ss]  # [Gp, Tp] per page
-        l = l * corr
-        for p in ps:
-            l = l + jnp.sum(p, axis=1)
-        new = [a * corr[:, None] for a in acc]
-        for p, t in zip(ps, pgs, strict=True):
-            for c, (vsc, vzc, (i, j, _, _)) in enumerate(zip(t["vs"], t["vz"], parts, strict=True)):
-                pv = (p * vsc.astype(jnp.float32)[None, :]).astype(cdt)  # value scale on p
-                pv = dot_f32(pv, codes(t["vp"][j], i).astype(cdt), trans_b=False)
-                zero = jnp.sum(p * vzc.astype(jnp.float32)[None, :], axis=1)
-                new[c] = new[c] + pv + zero[:, None]
-        return new, m_new, l
-
-    _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -270,7 +159,6 @@ def _kernel_folded(
         "num_warps",
         "num_stages",
         "return_logits",
-        "fold_scales",
         "interpret",
     ),
 )
@@ -286,7 +174,6 @@ def decode_attention_lowbit_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_logits: bool = False,
-    fold_scales: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -305,8 +192,6 @@ def decode_attention_lowbit_triton(
         num_splits: splits S per (sequence, KV head); default fills the chip.
         num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
         return_logits: also return the scaled logits of every read slot.
-        fold_scales: fold the key statistics into q page by page (`_kernel_folded`) instead
-            of dequantizing keys in registers; default from the device's Tuning.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -326,14 +211,12 @@ def decode_attention_lowbit_triton(
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
     qp = pad_group(q)
     flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
-    fold = tune.lowbit_fold_scales if fold_scales is None else bool(fold_scales)
-    codes = (flat(tier.k), flat(tier.v)) if fold else (tier.k, tier.v)
-    arrays = [tier.extent, q_pos, qp, *codes, tier.k_scale, tier.k_zero]
+    arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.k_scale, tier.k_zero]
     arrays += [flat(tier.v_scale), flat(tier.v_zero), flat(tier.pos)]
     specs = [head_spec(), pl.BlockSpec((None,), lambda i, j, s: (i,))]
     specs += [head_spec(*x.shape[2:]) for x in arrays[2:]]
     kernel = functools.partial(
-        functools.partial(_kernel_folded, page=tp) if fold else _kernel,
+        _kernel,
         bits=bits,
         scale=scale,
         block_k=block_k,

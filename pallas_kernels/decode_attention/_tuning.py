@@ -20,9 +20,8 @@ class Tuning:
         block_k: slots per loop step of the full-precision and INT8 kernels (a power of 2 >= 16).
         lowbit_block_k: tokens per loop step of the low-bit kernel (a power of 2).
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
-        lowbit_fold_scales: the low-bit kernel folds key statistics into q page by page
-            instead of dequantizing keys in registers.
-        int8_qk: the INT8 kernel quantizes q per query head and runs QK as an int8 dot.
+        int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
+            int8 dot (float16/float32 q never: they would lose precision).
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
@@ -31,7 +30,6 @@ class Tuning:
     block_k: int = 64
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
-    lowbit_fold_scales: bool = False
     int8_qk: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -40,8 +38,12 @@ class Tuning:
 
 DEFAULT = Tuning()
 TUNINGS: dict[str, Tuning] = {
-    "NVIDIA H200": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
-    "NVIDIA H100 80GB HBM3": Tuning(block_k=64, num_warps=4, num_stages=3, target_programs=1056),
+    "NVIDIA H200": Tuning(
+        block_k=64, num_warps=4, num_stages=3, target_programs=1056, int8_qk=True
+    ),
+    "NVIDIA H100 80GB HBM3": Tuning(
+        block_k=64, num_warps=4, num_stages=3, target_programs=1056, int8_qk=True
+    ),
     # interpret mode: few, small programs
     "cpu": Tuning(block_k=16, lowbit_block_k=16, target_programs=4),
 }

@@ -103,7 +103,6 @@ def test_bench_kernel_rows_bytes_and_errors():
 @pytest.mark.parametrize(
     "knob, rows, message",
     [
-        ("fold_scales", ("pallas-int4", "pallas-bf16"), "fold_scales applies to the low-bit rows"),
         ("int8_qk", ("pallas-int8", "pallas-int4"), "int8_qk applies to the INT8 rows only"),
     ],
 )

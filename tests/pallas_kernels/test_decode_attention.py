@@ -170,7 +170,7 @@ def test_triton_lowbit_block_sizes_agree(block_k):
     )
 
 
-FOLD_CASES = [
+LOWBIT_STEP_CASES = [
     Case(dtype=dt, tiers=t, ratio=r, head_dim=hd)
     for dt, t, r, hd in [
         ("float32", "fp+int4", 4, 64),
@@ -183,25 +183,23 @@ FOLD_CASES = [
 
 
 @pytest.mark.parametrize("block_k", [16, 32])
-@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
-def test_triton_lowbit_folded_scales_match_float64(case, block_k):
-    """The low-bit kernel variant that folds key statistics into q page by page (compiled on a
-    GPU, interpreted elsewhere) against the float64 oracle, with the tolerance of the main
-    class; block 32 spans two pages and overhangs the tier."""
+@pytest.mark.parametrize("case", LOWBIT_STEP_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
+def test_triton_lowbit_loop_steps_match_float64(case, block_k):
+    """The low-bit kernel at one and two pages per loop step (compiled on a GPU, interpreted
+    elsewhere) against the float64 oracle, with the tolerance of the main class; block 32 spans
+    two pages and overhangs the tier."""
     from kvjax.pallas_kernels.decode_attention import (
         decode_attention_lowbit_triton,
         decode_attention_triton,
     )
 
     interpret = jax.default_backend() != "gpu"
-    q, q_pos, full, _, lowbit = make_tiers(case, _seed("fold", case, block_k))
+    q, q_pos, full, _, lowbit = make_tiers(case, _seed("lowbit_steps", case, block_k))
     scale = q.shape[-1] ** -0.5
     kw = dict(scale=scale, num_splits=2, return_logits=True, interpret=interpret)
     parts = [
         decode_attention_triton(q, full, q_pos, block_k=16, **kw),
-        decode_attention_lowbit_triton(
-            q, lowbit, q_pos, bits=case.bits, block_k=block_k, fold_scales=True, **kw
-        ),
+        decode_attention_lowbit_triton(q, lowbit, q_pos, bits=case.bits, block_k=block_k, **kw),
     ]
     got_out, got_lse = combine(parts)
     out, lse, logits, seen = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
@@ -321,3 +319,23 @@ def test_int8_qk_needs_an_int8_tier():
     q, q_pos, full, _, _ = make_tiers(case, 0)
     with pytest.raises(ValueError, match="int8_qk applies to an Int8Tier only"):
         decode_attention_triton(q, full, q_pos, scale=0.125, int8_qk=True, interpret=True)
+
+
+@pytest.mark.parametrize("dtype,on", [("bfloat16", True), ("float32", False), ("float16", False)])
+def test_tuned_int8_qk_applies_to_bfloat16_queries_only(monkeypatch, dtype, on):
+    """A device tuned with int8_qk quantizes q by default only when q is bfloat16 (whose own
+    rounding is of q8's size); float16/float32 queries keep the exact-conversion path."""
+    from kvjax.pallas_kernels.decode_attention import _triton, _tuning
+
+    tuned = _tuning.Tuning(block_k=16, target_programs=4, int8_qk=True)
+    monkeypatch.setattr(_triton, "tuning_for", lambda: tuned)
+    case = Case(dtype=dtype, tiers="fp+int8", ratio=2, head_dim=64)
+    q, q_pos, _, int8, _ = make_tiers(case, _seed("int8_qk_default", dtype))
+    kw = dict(scale=0.125, num_splits=2, return_logits=True, interpret=True)
+    default, forced_on, forced_off = (
+        _triton.decode_attention_triton(q, int8, q_pos, int8_qk=f, **kw)
+        for f in (None, True, False)
+    )
+    want, other = (forced_on, forced_off) if on else (forced_off, forced_on)
+    np.testing.assert_array_equal(np.asarray(default.logits), np.asarray(want.logits))
+    assert not np.array_equal(np.asarray(default.logits), np.asarray(other.logits))
