@@ -37,7 +37,16 @@ from kvjax.policies._regions import (
 
 Array = jax.Array
 _INF = jnp.inf
-WRITE_KERNELS = ("xla", "pallas")
+WRITE_KERNELS = ("auto", "xla", "pallas")
+
+
+def resolve_write_kernel(name: str, backend: str) -> str:
+    """The slot-write path a `write_kernel` setting takes on `backend`: "auto" is the one-launch
+    Pallas kernel on GPU (measured faster there, docs/benchmarks.md) and XLA's scatters
+    elsewhere (TPU has no such kernel; on CPU the interpreter would only be slower)."""
+    if name == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    return name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,8 +64,9 @@ class RankedPolicy(Policy):
         """W: most recent tokens, kept in full precision and never evicted."""
 
     # "pallas": a decode step's slot writes (the token leaving the ring into the ranked region,
-    # the new token into the ring) run as one kernel instead of one XLA scatter per array.
-    write_kernel: str = "xla"
+    # the new token into the ring) run as one kernel instead of one XLA scatter per array;
+    # "auto" (default): "pallas" on GPU, "xla" elsewhere (`resolve_write_kernel`).
+    write_kernel: str = "auto"
 
     # Decode keeps the ranked region as prefill left it: scores stop changing and a token leaving
     # the ring only enters the ranked region if there is a free slot (SnapKV).
@@ -164,7 +174,7 @@ class RankedPolicy(Policy):
         """With write_kernel="pallas", a decode step's slot writes of every layer run as one
         kernel launch (one per layer otherwise). Policies that override `write` (KVpop) keep
         one launch per layer."""
-        one_launch = self.write_kernel == "pallas" and type(self).write is RankedPolicy.write
+        one_launch = self._pallas_writes() and type(self).write is RankedPolicy.write
         if not one_launch or k_new[0].shape[1] != 1:
             return super().write_layers(layers, k_new, v_new, pos_new, valid, stats, state)
         plans = [
@@ -173,9 +183,12 @@ class RankedPolicy(Policy):
         ]
         return tuple(scatter_fused(plans))
 
+    def _pallas_writes(self) -> bool:
+        return resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas"
+
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
         layer, writes = self._decode_plan(layer, k_new, v_new, pos_new, valid, stats, state, li)
-        if self.write_kernel == "pallas":
+        if self._pallas_writes():
             return scatter_fused([(layer, writes)])[0]
         return writes.apply(layer)
 

@@ -176,7 +176,7 @@ def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
 def test_pallas_slot_writes_equal_xla_scatters(idx):
     """write_kernel="pallas" (one slot-write kernel per decode step, interpreted on CPU) leaves
     exactly the cache the XLA scatters leave, step after step, on a random attention stream."""
-    policy = policies()[idx]
+    policy = dataclasses.replace(policies()[idx], write_kernel="xla")
     fused = dataclasses.replace(policy, write_kernel="pallas")
     rng = np.random.default_rng(idx)
     steps = 20
@@ -228,3 +228,15 @@ def test_ranked_bad_budgets(name, budget, match):
 def test_unknown_hyperparameter_is_named():
     with pytest.raises(ValueError, match="policy 'h2o'.*unexpected keyword"):
         make_policy("h2o", 8, window=3)
+
+
+def test_auto_write_kernel_is_pallas_on_gpu_only():
+    """The default slot-write path: the one-launch kernel on GPU, XLA's scatters on TPU/CPU;
+    an explicit choice is kept everywhere."""
+    from kvjax.policies._ranked import resolve_write_kernel
+
+    assert make_policy("h2o", 8).write_kernel == "auto"
+    got = {b: resolve_write_kernel("auto", b) for b in ("gpu", "tpu", "cpu")}
+    assert got == {"gpu": "pallas", "tpu": "xla", "cpu": "xla"}
+    for name in ("xla", "pallas"):
+        assert {resolve_write_kernel(name, b) for b in ("gpu", "tpu", "cpu")} == {name}
