@@ -51,6 +51,7 @@ class KernelBench:
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
     "int8_qk": (lambda r: r == "pallas-int8", "INT8"),
+    "stack_pages": (lambda r: "int4" in r or "int2" in r, "low-bit"),
 }
 
 
@@ -166,7 +167,7 @@ def bench_kernel(
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
     num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk for the INT8 row
-    only), on the same data. `on_row` sees each row
+    only, stack_pages for the low-bit rows only), on the same data. `on_row` sees each row
     as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():

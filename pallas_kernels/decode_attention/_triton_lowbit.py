@@ -149,6 +149,107 @@ def _kernel(
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
 
+def _kernel_stacked(
+    extent_ref,  # [] int32 one past the last attended page
+    qpos_ref,  # [] int32
+    q_ref,  # [Rp, D] the G query rows repeated once per page of a step (row r: page r // G)
+    k_ref,  # [N, Dp] uint8 packed key codes, N = P·Tp tokens in page order
+    v_ref,  # [N, Dp] uint8 packed value codes
+    ks_ref,  # [P, D] key scale per page and channel
+    kz_ref,  # [P, D] key zero
+    vs_ref,  # [N, NG] value scale per token and channel group
+    vz_ref,  # [N, NG] value zero
+    pos_ref,  # [N] int32, -1 = not attended
+    o_ref,  # [Rp, D] f32 (rows >= npg·G never written)
+    lse_ref,  # [Rp] f32
+    *logits_ref,  # [Rp, N] f32 (return_logits; row r valid on its own page's tokens only)
+    page: int,
+    group: int,
+    bits: int,
+    scale: float,
+    block_k: int,
+    num_splits: int,
+    return_logits: bool,
+):
+    """The low-bit kernel with a step's pages stacked on the query rows.
+
+    Row r = j·G + g of the (otherwise zero-padded) query tile is query head g attending page j
+    of each step only, so every row is an independent online softmax over its own tokens and the
+    rows are merged later like splits. Each row's page statistics fold into its q row
+    (q⊙scale, and q·zero added to the logits): the QK dots run on raw codes straight from the
+    flat code tile, with no per-code scaling and no [pages, Tp, w] relayout, in tensor-core rows
+    that padding would otherwise waste.
+    """
+    n_tok, _ = k_ref.shape
+    pages_total = ks_ref.shape[0]
+    npg = block_k // page  # pages per loop step
+    rp, d = q_ref.shape
+    ng = vs_ref.shape[-1]
+    mask = (1 << bits) - 1
+    n = 8 // bits
+    sub = d // n  # channels per sub-block (= packed bytes per token)
+    parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
+    w = min(sub, d // ng)
+    cdt = q_ref.dtype
+    qpos = qpos_ref[()]
+    row_page = lax.broadcasted_iota(jnp.int32, (rp,), 0) // group  # j of every row
+    qk = [q_ref[:, pl.ds(i * sub, sub)].astype(jnp.float32) for i in range(n)]  # [Rp, sub]
+    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
+    n_pages = pl.cdiv(extent, page)
+    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
+    js = sorted({j for _, j, _, _ in parts})
+    grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
+    col_page = lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page  # page of every column
+    sub_cols = lax.broadcasted_iota(jnp.int32, (sub,), 0)
+
+    def codes(packed: Array, i: int) -> Array:
+        return (packed >> (i * bits)) & mask
+
+    def step(it, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(it * block_k, block_k)
+        rows = pl.ds(start, block_k)
+        inb = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < extent
+        prow = it * npg + row_page  # page of every query row in this step
+        pin = (row_page < npg) & (prow < n_pages)
+        prow = jnp.minimum(prow, pages_total - 1)
+        # Every load of the step is issued before the first use.
+        pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
+        kp = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)  # [block_k, sub]
+        vp = {j: plgpu.load(v_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js}
+        stat = lambda ref, i: plgpu.load(  # [Rp, sub]: each row's page statistics (a gather)
+            ref.at[prow[:, None], i * sub + sub_cols[None, :]], mask=pin[:, None], other=0
+        ).astype(jnp.float32)
+        ks = [stat(ks_ref, i) for i in range(n)]
+        kz = [stat(kz_ref, i) for i in range(n)]
+        vs = [plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps]
+        vz = [plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps]
+        s = jnp.zeros((rp, block_k), jnp.float32)
+        zq = jnp.zeros((rp,), jnp.float32)
+        for i in range(n):
+            qs = (qk[i] * ks[i]).astype(cdt)  # each row's page key scales on q
+            zq = zq + jnp.sum(qk[i] * kz[i], axis=1)  # and its zeros: q·zero
+            s = s + dot_f32(qs, codes(kp, i).astype(cdt), trans_b=True)
+        s = (s + zq[:, None]) * scale
+        own = col_page[None, :] == row_page[:, None]  # a row attends its own page only
+        s = jnp.where(own & ((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
+        if return_logits:
+            store_rows(logits_ref[0], s, npg * group, rows, inb)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])  # [Rp, T]
+        l = l * corr + jnp.sum(p, axis=1)
+        new = []
+        for a, vsc, vzc, (i, j, _, _) in zip(acc, vs, vz, parts, strict=True):
+            ps = (p * vsc.astype(jnp.float32)[None, :]).astype(cdt)  # the value scale on p
+            pv = dot_f32(ps, codes(vp[j], i).astype(cdt), trans_b=False)
+            zero = jnp.sum(p * vzc.astype(jnp.float32)[None, :], axis=1)
+            new.append(a * corr[:, None] + pv + zero[:, None])
+        return new, m_new, l
+
+    _run_and_store(first, last, step, parts, w, rp, o_ref, lse_ref, npg * group)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -159,6 +260,7 @@ def _kernel(
         "num_warps",
         "num_stages",
         "return_logits",
+        "stack_pages",
         "interpret",
     ),
 )
@@ -174,6 +276,7 @@ def decode_attention_lowbit_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_logits: bool = False,
+    stack_pages: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -192,6 +295,10 @@ def decode_attention_lowbit_triton(
         num_splits: splits S per (sequence, KV head); default fills the chip.
         num_warps, num_stages: Triton launch knobs; default from the device's Tuning.
         return_logits: also return the scaled logits of every read slot.
+        stack_pages: run `_kernel_stacked` (a step's pages on the padded query rows, page
+            statistics folded into q) instead of dequantizing keys in registers; default from
+            the device's Tuning. Its default block_k is the most pages (≤ 4) whose G rows each
+            fit the 16-row tile.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -204,32 +311,41 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
+    stack = tune.lowbit_stack_pages if stack_pages is None else bool(stack_pages)
+    if stack and block_k is None:  # the most pages (<= 4) whose G rows fit 16 rows
+        block_k = tp * min(4, 1 << (max(1, 16 // group).bit_length() - 1))
     block_k = max(block_k or tune.lowbit_block_k, tp)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of 2, got {block_k}")
     n_tok = pages * tp
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
-    qp = pad_group(q)
     flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
-    arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.k_scale, tier.k_zero]
+    npg = block_k // tp
+    if stack:  # the G rows once per page of a step
+        qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
+        codes = (flat(tier.k), flat(tier.v))
+        kernel = functools.partial(_kernel_stacked, page=tp, group=group)
+    else:
+        qp = pad_group(q)
+        codes = (tier.k, tier.v)
+        kernel = functools.partial(_kernel, group=group)
+    arrays = [tier.extent, q_pos, qp, *codes, tier.k_scale, tier.k_zero]
     arrays += [flat(tier.v_scale), flat(tier.v_zero), flat(tier.pos)]
     specs = [head_spec(), pl.BlockSpec((None,), lambda i, j, s: (i,))]
     specs += [head_spec(*x.shape[2:]) for x in arrays[2:]]
-    kernel = functools.partial(
-        _kernel,
-        bits=bits,
-        scale=scale,
-        block_k=block_k,
-        num_splits=splits,
-        group=group,
-        return_logits=return_logits,
-    )
-    return launch(
-        kernel,
+    res = launch(
+        functools.partial(
+            kernel,
+            bits=bits,
+            scale=scale,
+            block_k=block_k,
+            num_splits=splits,
+            return_logits=return_logits,
+        ),
         arrays,
         specs,
         qp,
-        group=group,
+        group=npg * group if stack else group,
         splits=splits,
         slots=n_tok,
         return_logits=return_logits,
@@ -238,3 +354,20 @@ def decode_attention_lowbit_triton(
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",
     )
+    return _unstack(res, npg, group, tp) if stack else res
+
+
+def _unstack(res: Partials, npg: int, group: int, page: int) -> Partials:
+    """Stacked rows (page j of a step, head g) → Partials of G heads: each page row is a split
+    of its own, and a slot's logits are those of its page's row."""
+    b, hkv, splits, _, d = res.out.shape
+    out = res.out.reshape(b, hkv, splits * npg, group, d)
+    lse = res.lse.reshape(b, hkv, splits * npg, group)
+    logits = None
+    if res.logits is not None:
+        n = res.logits.shape[-1]
+        rows = res.logits.reshape(b, hkv, npg, group, n)
+        j = (jnp.arange(n, dtype=jnp.int32) // page) % npg  # the row block of every slot
+        idx = jnp.broadcast_to(j[None, None, None, None, :], (b, hkv, 1, group, n))
+        logits = jnp.take_along_axis(rows, idx, axis=2)[:, :, 0]
+    return Partials(out, lse, logits)

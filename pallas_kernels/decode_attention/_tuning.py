@@ -20,6 +20,8 @@ class Tuning:
         block_k: slots per loop step of the full-precision and INT8 kernels (a power of 2 >= 16).
         lowbit_block_k: tokens per loop step of the low-bit kernel (a power of 2).
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
+        lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
+            (statistics folded into q) instead of dequantizing keys in registers.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         num_warps: Triton warps per program.
@@ -30,6 +32,7 @@ class Tuning:
     block_k: int = 64
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
+    lowbit_stack_pages: bool = False
     int8_qk: bool = False
     num_warps: int = 4
     num_stages: int = 2

@@ -104,6 +104,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     "knob, rows, message",
     [
         ("int8_qk", ("pallas-int8", "pallas-int4"), "int8_qk applies to the INT8 rows only"),
+        ("stack_pages", ("pallas-int2", "pallas-int8"), "stack_pages applies to the low-bit"),
     ],
 )
 def test_bench_kernel_rejects_a_row_specific_knob_on_other_rows(knob, rows, message):

@@ -178,16 +178,19 @@ LOWBIT_STEP_CASES = [
         ("float16", "fp+int8b", 1, 64),
         ("bfloat16", "fp+int4", 4, 128),
         ("float32", "fp+int2", 1, 128),
+        ("bfloat16", "fp+int4", 16, 64),  # stacked: 2 pages × 16 rows = a 32-row tile
     ]
 ]
 
 
-@pytest.mark.parametrize("block_k", [16, 32])
+@pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
+@pytest.mark.parametrize("block_k", [16, 32, None])
 @pytest.mark.parametrize("case", LOWBIT_STEP_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
-def test_triton_lowbit_loop_steps_match_float64(case, block_k):
+def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
     """The low-bit kernel at one and two pages per loop step (compiled on a GPU, interpreted
-    elsewhere) against the float64 oracle, with the tolerance of the main class; block 32 spans
-    two pages and overhangs the tier."""
+    elsewhere), dequantizing keys or with the step's pages stacked on the query rows, against the
+    float64 oracle with the tolerance of the main class; block 32 spans two pages and overhangs
+    the tier; None is the default (stacked: as many pages as fit 16 rows, up to 4)."""
     from kvjax.pallas_kernels.decode_attention import (
         decode_attention_lowbit_triton,
         decode_attention_triton,
@@ -199,7 +202,9 @@ def test_triton_lowbit_loop_steps_match_float64(case, block_k):
     kw = dict(scale=scale, num_splits=2, return_logits=True, interpret=interpret)
     parts = [
         decode_attention_triton(q, full, q_pos, block_k=16, **kw),
-        decode_attention_lowbit_triton(q, lowbit, q_pos, bits=case.bits, block_k=block_k, **kw),
+        decode_attention_lowbit_triton(
+            q, lowbit, q_pos, bits=case.bits, block_k=block_k, stack_pages=stack, **kw
+        ),
     ]
     got_out, got_lse = combine(parts)
     out, lse, logits, seen = oracle(q, q_pos, full, None, lowbit, case.bits, scale)

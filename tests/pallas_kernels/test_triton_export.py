@@ -69,11 +69,13 @@ def test_dense_kernels_lower_for_h200(tier, logits):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_lowbit_kernels_lower_for_h200(bits):
+def test_lowbit_kernels_lower_for_h200(bits, stack):
     q, q_pos = _q()
     fn = functools.partial(
-        decode_attention_lowbit_triton, bits=bits, block_k=64,
+        decode_attention_lowbit_triton, bits=bits, block_k=None if stack else 64,
+        stack_pages=stack,
         return_logits=True, **KNOBS,
     )  # fmt: skip
     assert _export(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
