@@ -312,8 +312,8 @@ def decode_attention_lowbit_triton(
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     stack = tune.lowbit_stack_pages if stack_pages is None else bool(stack_pages)
-    if stack and block_k is None:  # the most pages (<= 4) whose G rows fit 16 rows
-        block_k = tp * min(4, 1 << (max(1, 16 // group).bit_length() - 1))
+    if stack and block_k is None:
+        block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of 2, got {block_k}")
@@ -355,6 +355,12 @@ def decode_attention_lowbit_triton(
         name=f"kvjax_decode_int{bits}",
     )
     return _unstack(res, npg, group, tp) if stack else res
+
+
+def stacked_block_k(page: int, group: int) -> int:
+    """The stacked kernel's default step: the most pages (a power of 2, at most 4) whose G
+    query rows each fit the 16-row tile."""
+    return page * min(4, 1 << (max(1, 16 // group).bit_length() - 1))
 
 
 def _unstack(res: Partials, npg: int, group: int, page: int) -> Partials:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,38 +12,6 @@ from kvjax.pallas_kernels.decode_attention import FullTier, Int8Tier, LowBitTier
 
 PAGE = 16  # tokens per low-bit page in the tests
 VALUE_GROUP = 32
-
-
-def abstract_tiers(b, hkv, d, cap, int8_cap, pages, page, value_group, bits, dtype):
-    """ShapeDtypeStructs of a layer's full (cap slots, `dtype`), INT8 (int8_cap slots) and packed
-    low-bit (pages × page tokens at `bits`) tiers, for lowering tests (jax.export)."""
-    sds, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
-    full = FullTier(
-        sds((b, hkv, cap, d), dtype),
-        sds((b, hkv, cap, d), dtype),
-        sds((b, hkv, cap), i32),
-        sds((b, hkv), i32),
-    )
-    int8 = Int8Tier(
-        sds((b, hkv, int8_cap, d), jnp.int8),
-        sds((b, hkv, int8_cap, d), jnp.int8),
-        sds((b, hkv, int8_cap), f32),
-        sds((b, hkv, int8_cap), f32),
-        sds((b, hkv, int8_cap), i32),
-        sds((b, hkv), i32),
-    )
-    dp, groups = d * bits // 8, d // value_group
-    lowbit = LowBitTier(
-        sds((b, hkv, pages, page, dp), jnp.uint8),
-        sds((b, hkv, pages, page, dp), jnp.uint8),
-        sds((b, hkv, pages, d), f32),
-        sds((b, hkv, pages, d), f32),
-        sds((b, hkv, pages, page, groups), f32),
-        sds((b, hkv, pages, page, groups), f32),
-        sds((b, hkv, pages, page), i32),
-        sds((b, hkv), i32),
-    )
-    return full, int8, lowbit  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from decode_cases import abstract_tiers
 
+from kvjax.eval._kernel_ir import abstract_tiers
 from kvjax.pallas_kernels.decode_attention import decode_attention
 
 B, HKV, G, D, C, CQ, P, TP, VG = 2, 2, 4, 128, 1000, 512, 20, 32, 32

@@ -11,9 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from decode_cases import abstract_tiers
-from jax import export
 
+from kvjax.eval._kernel_ir import abstract_tiers, export_cuda
 from kvjax.pallas_kernels.decode_attention import (
     decode_attention_lowbit_triton,
     decode_attention_triton,
@@ -23,24 +22,6 @@ from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots
 B, HKV, G, D, C, P, TP, VG = 2, 8, 4, 128, 1000, 20, 32, 32
 sds = jax.ShapeDtypeStruct
 f32, i32 = jnp.float32, jnp.int32
-H200 = jax.sharding.AbstractMesh(
-    (1,),
-    ("x",),
-    abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"
-    ),
-)
-
-
-def _export(fn, *args) -> str:
-    """StableHLO text of fn exported for CUDA; the Triton custom call is allowed explicitly."""
-    with jax.sharding.use_abstract_mesh(H200):
-        exp = export.export(
-            jax.jit(fn),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    return exp.mlir_module()
 
 
 def _q(dtype=jnp.bfloat16):
@@ -65,7 +46,7 @@ def test_dense_kernels_lower_for_h200(tier, logits):
     fn = functools.partial(
         decode_attention_triton, block_k=64, return_logits=logits, **KNOBS, **extra
     )
-    text = _export(fn, q, data, q_pos)
+    text = export_cuda(fn, q, data, q_pos)
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -78,7 +59,7 @@ def test_lowbit_kernels_lower_for_h200(bits, stack):
         stack_pages=stack,
         return_logits=True, **KNOBS,
     )  # fmt: skip
-    assert _export(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
+    assert export_cuda(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_slot_write_lowers_for_h200_with_every_array_aliased():
@@ -96,7 +77,7 @@ def test_slot_write_lowers_for_h200_with_every_array_aliased():
         (sds((B, HKV, 1, D), jnp.int8), sds((B, HKV, 1, D), jnp.int8), sds((B, HKV, 1), i32),
          sds((B, HKV, 1), f32), sds((B, HKV, 1), f32)),
     )  # fmt: skip
-    text = _export(lambda a, b: write_slots(a, b), ranked, ring)
+    text = export_cuda(lambda a, b: write_slots(a, b), ranked, ring)
     assert text.count("__gpu$xla.gpu.triton") == 1
     # the 9 cache arrays are outputs aliased to their inputs: one launch, no copies
     assert text.count("#stablehlo.output_operand_alias<") == 9
