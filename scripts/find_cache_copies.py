@@ -1,6 +1,6 @@
 """Lists the copies of cache-sized arrays in a compiled decode loop, per policy (a debugging aid:
 an in-place decode step should copy none). Usage: python scripts/find_cache_copies.py [POLICY...]
-(POLICY@pallas: a ranked policy with write_kernel="pallas").
+(POLICY@pallas or POLICY@xla: a ranked policy with that write_kernel; default "auto").
 With DUMP_HLO=DIR it also writes each compiled module's text there."""
 
 import collections

@@ -53,7 +53,8 @@ case "${1:-foundation}" in
     # (so each row's allocator peak is its own). Budgets give 20% of the full cache's bytes:
     # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it
     # (row confkv-bf16: confkv without INT8, 6554 BF16 tokens; a -sw suffix writes the decode
-    # slots with the one-launch Pallas kernel, write_kernel=pallas).
+    # slots with the one-launch Pallas kernel, write_kernel=pallas, the GPU default since
+    # session 6; confkv-xw writes them with XLA's scatters, for the A/B).
     for b in ${BATCHES:-8 1}; do
       for row in ${ROWS:-full:xla full:pallas confkv:pallas qevict:pallas}; do
         name=${row%%:*} impl=${row##*:}
@@ -63,6 +64,7 @@ case "${1:-foundation}" in
           confkv-bf16) pol=confkv extra=(--no-int8) ;;  # the same bytes, all of them BF16
           confkv-sw) pol=confkv budget=12650 extra=(--set write_kernel=pallas) ;;  # slot_write
           confkv-bf16-sw) pol=confkv extra=(--no-int8 --set write_kernel=pallas) ;;
+          confkv-xw) pol=confkv budget=12650 extra=(--set write_kernel=xla) ;;  # XLA scatters
         esac
         run bench decode --preset Llama-3-8B --dtype bfloat16 --policy "$pol" --budget "$budget" \
           "${extra[@]}" --contexts 32768 --batch "$b" --steps "${STEPS:-16}" --copy-mib 4096 \
