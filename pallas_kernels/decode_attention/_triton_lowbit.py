@@ -49,6 +49,25 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
     return [(i, j, i * sub + j, (i * sub + j) // vg) for i in range(n) for j in range(0, sub, w)]
 
 
+def _values(acc, p, corr, vcodes, vs, vz, cdt, dequant: bool):
+    """acc·corr + p·V of every value chunk: vcodes(c, dtype) [T, w] chunk c's codes in dtype,
+    vs/vz [T] its group's per-token statistics. `dequant`: the chunk is dequantized in
+    registers and every dot shares one p operand; else the scale multiplies p and Σ p·zero is
+    added."""
+    f32 = jnp.float32
+    pc = p.astype(cdt) if dequant else None
+    new = []
+    for c, (a, vsc, vzc) in enumerate(zip(acc, vs, vz, strict=True)):
+        vsc, vzc = vsc.astype(f32), vzc.astype(f32)
+        if dequant:
+            vd = (vcodes(c, f32) * vsc[:, None] + vzc[:, None]).astype(cdt)
+            new.append(a * corr[:, None] + dot_f32(pc, vd, trans_b=False))
+        else:
+            pv = dot_f32((p * vsc[None, :]).astype(cdt), vcodes(c, cdt), trans_b=False)
+            new.append(a * corr[:, None] + pv + jnp.sum(p * vzc[None, :], axis=1)[:, None])
+    return new
+
+
 def _run_and_store(first, last, step, parts, w: int, gp: int, o_ref, lse_ref, group: int):
     """Runs the online-softmax loop over [first, last) from empty accumulators (one [Gp, w] per
     channel chunk) and stores the normalized chunks and the lse."""
@@ -85,6 +104,7 @@ def _kernel(
     num_splits: int,
     group: int,
     return_logits: bool,
+    dequant_values: bool,
 ):
     pages, page, _ = k_ref.shape
     n_tok = pages * page
@@ -138,13 +158,12 @@ def _kernel(
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # [Gp, T]
         l = l * corr + jnp.sum(p, axis=1)
-        new = []
-        for a, vsc, vzc, (i, j, _, _) in zip(acc, vs, vz, parts, strict=True):
-            ps = (p * vsc.astype(jnp.float32)[None, :]).astype(cdt)  # the value scale on p
-            pv = dot_f32(ps, codes(vp[j], i).astype(cdt).reshape(block_k, w), trans_b=False)
-            zero = jnp.sum(p * vzc.astype(jnp.float32)[None, :], axis=1)
-            new.append(a * corr[:, None] + pv + zero[:, None])
-        return new, m_new, l
+
+        def vcodes(c, dt):  # [block_k, w]: the step's pages side by side
+            i, j, _, _ = parts[c]
+            return codes(vp[j], i).astype(dt).reshape(block_k, w)
+
+        return _values(acc, p, corr, vcodes, vs, vz, cdt, dequant_values), m_new, l
 
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
@@ -170,6 +189,7 @@ def _kernel_stacked(
     block_k: int,
     num_splits: int,
     return_logits: bool,
+    dequant_values: bool,
 ):
     """The low-bit kernel with a step's pages stacked on the query rows.
 
@@ -239,13 +259,8 @@ def _kernel_stacked(
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # [Rp, T]
         l = l * corr + jnp.sum(p, axis=1)
-        new = []
-        for a, vsc, vzc, (i, j, _, _) in zip(acc, vs, vz, parts, strict=True):
-            ps = (p * vsc.astype(jnp.float32)[None, :]).astype(cdt)  # the value scale on p
-            pv = dot_f32(ps, codes(vp[j], i).astype(cdt), trans_b=False)
-            zero = jnp.sum(p * vzc.astype(jnp.float32)[None, :], axis=1)
-            new.append(a * corr[:, None] + pv + zero[:, None])
-        return new, m_new, l
+        vcodes = lambda c, dt: codes(vp[parts[c][1]], parts[c][0]).astype(dt)
+        return _values(acc, p, corr, vcodes, vs, vz, cdt, dequant_values), m_new, l
 
     _run_and_store(first, last, step, parts, w, rp, o_ref, lse_ref, npg * group)
 
@@ -261,6 +276,7 @@ def _kernel_stacked(
         "num_stages",
         "return_logits",
         "stack_pages",
+        "dequant_values",
         "interpret",
     ),
 )
@@ -277,6 +293,7 @@ def decode_attention_lowbit_triton(
     num_stages: int | None = None,
     return_logits: bool = False,
     stack_pages: bool | None = None,
+    dequant_values: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -297,8 +314,10 @@ def decode_attention_lowbit_triton(
         return_logits: also return the scaled logits of every read slot.
         stack_pages: run `_kernel_stacked` (a step's pages on the padded query rows, page
             statistics folded into q) instead of dequantizing keys in registers; default from
-            the device's Tuning. Its default block_k is the most pages (≤ 4) whose G rows each
+            the device's Tuning. Its default block_k is the most pages (≤ 2) whose G rows each
             fit the 16-row tile.
+        dequant_values: dequantize value codes in registers (one shared p operand for every
+            value dot) instead of scaling p per value group; default from the device's Tuning.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -341,6 +360,9 @@ def decode_attention_lowbit_triton(
             block_k=block_k,
             num_splits=splits,
             return_logits=return_logits,
+            dequant_values=tune.lowbit_dequant_values
+            if dequant_values is None
+            else bool(dequant_values),
         ),
         arrays,
         specs,
@@ -358,9 +380,10 @@ def decode_attention_lowbit_triton(
 
 
 def stacked_block_k(page: int, group: int) -> int:
-    """The stacked kernel's default step: the most pages (a power of 2, at most 4) whose G
-    query rows each fit the 16-row tile."""
-    return page * min(4, 1 << (max(1, 16 // group).bit_length() - 1))
+    """The stacked kernel's default step: the most pages (a power of 2, at most 2) whose G
+    query rows each fit the 16-row tile (4 pages of 32 tokens spill registers on sm_90:
+    scripts/kernel_sass.py)."""
+    return page * min(2, 1 << (max(1, 16 // group).bit_length() - 1))
 
 
 def _unstack(res: Partials, npg: int, group: int, page: int) -> Partials:

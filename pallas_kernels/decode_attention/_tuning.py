@@ -22,6 +22,8 @@ class Tuning:
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
             (statistics folded into q) instead of dequantizing keys in registers.
+        lowbit_dequant_values: the low-bit kernels dequantize value codes in registers instead
+            of scaling the probabilities per value group.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         num_warps: Triton warps per program.
@@ -33,6 +35,7 @@ class Tuning:
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
     lowbit_stack_pages: bool = False
+    lowbit_dequant_values: bool = False
     int8_qk: bool = False
     num_warps: int = 4
     num_stages: int = 2

@@ -183,14 +183,18 @@ LOWBIT_STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
+@pytest.mark.parametrize(
+    "stack,dequant_v", [(False, False), (False, True), (True, False), (True, True)],
+    ids=["pscaled", "vdequant", "stacked", "stacked-vdequant"],
+)  # fmt: skip
 @pytest.mark.parametrize("block_k", [16, 32, None])
 @pytest.mark.parametrize("case", LOWBIT_STEP_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
-def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
+def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack, dequant_v):
     """The low-bit kernel at one and two pages per loop step (compiled on a GPU, interpreted
-    elsewhere), dequantizing keys or with the step's pages stacked on the query rows, against the
+    elsewhere), dequantizing keys or with the step's pages stacked on the query rows, and with
+    the value scales on p or values dequantized in registers, against the
     float64 oracle with the tolerance of the main class; block 32 spans two pages and overhangs
-    the tier; None is the default (stacked: as many pages as fit 16 rows, up to 4)."""
+    the tier; None is the default (stacked: as many pages as fit 16 rows, up to 2)."""
     from kvjax.pallas_kernels.decode_attention import (
         decode_attention_lowbit_triton,
         decode_attention_triton,
@@ -203,7 +207,14 @@ def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
     parts = [
         decode_attention_triton(q, full, q_pos, block_k=16, **kw),
         decode_attention_lowbit_triton(
-            q, lowbit, q_pos, bits=case.bits, block_k=block_k, stack_pages=stack, **kw
+            q,
+            lowbit,
+            q_pos,
+            bits=case.bits,
+            block_k=block_k,
+            stack_pages=stack,
+            dequant_values=dequant_v,
+            **kw,
         ),
     ]
     got_out, got_lse = combine(parts)
