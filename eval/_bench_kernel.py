@@ -51,7 +51,9 @@ class KernelBench:
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
     "int8_qk": (lambda r: r == "pallas-int8", "INT8"),
+    "v_words": (lambda r: r == "pallas-int8", "INT8"),
     "stack_pages": (lambda r: "int4" in r or "int2" in r, "low-bit"),
+    "dequant_values": (lambda r: "int4" in r or "int2" in r, "low-bit"),
 }
 
 
@@ -166,9 +168,9 @@ def bench_kernel(
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
-    num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk for the INT8 row
-    only, stack_pages for the low-bit rows only), on the same data. `on_row` sees each row
-    as soon as it is timed (progress).
+    num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk and v_words for the
+    INT8 row only, stack_pages and dequant_values for the low-bit rows only), on the same data.
+    `on_row` sees each row as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():
         wrong = [r for r in sweep_rows if not rows_of(r)]

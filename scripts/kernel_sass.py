@@ -3,7 +3,7 @@ instructions per token (a kernel-development aid: compare variants before spendi
 
 Usage: python scripts/kernel_sass.py ROW [KNOB=V ...]
   ROW: pallas-bf16, pallas-int8, pallas-int4 or pallas-int2 (B=8, S=32768, Hq 32, Hkv 8,
-  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, stack_pages,
+  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages,
   dequant_values (default: the H200 tuning).
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
@@ -68,6 +68,7 @@ else:
     kw |= dict(num_stages=knobs.pop("num_stages", tune.num_stages))
     if bits == 8:
         kw["int8_qk"] = bool(knobs.pop("int8_qk", tune.int8_qk))
+        kw["v_words"] = bool(knobs.pop("v_words", tune.int8_v_words))
     fn, tier = decode_attention_triton, (int8 if bits == 8 else full)
 if knobs:
     raise SystemExit(f"unknown or inapplicable knobs for {row}: {sorted(knobs)}")

@@ -72,11 +72,12 @@ def _kernel(
     qpos_ref,  # [] int32 position of the query
     q_ref,  # [Gp, D] queries of the KV head's group, rows >= G zero
     k_ref,  # [C, D] keys (float or int8 codes)
-    v_ref,  # [C, D] values (float or int8 codes)
+    v_ref,  # [C, D] values (float or int8 codes), or [C, D/4] int32 words of 4 codes (v_words)
     pos_ref,  # [C] int32, -1 = empty
     *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D], lse_ref [Gp], logits_ref [Gp, C]?
     quantized: bool,
     int8_qk: bool,
+    v_words: bool,
     scale: float,
     block_k: int,
     num_splits: int,
@@ -125,16 +126,34 @@ def _kernel(
         v = plgpu.load(v_ref.at[rows, :], mask=inb[:, None], other=0)
         if quantized:
             p = p * plgpu.load(vs_ref.at[rows], mask=inb, other=0.0)[None, :]
-        o = o * corr[:, None] + dot_f32(p.astype(cdt), v.astype(cdt), trans_b=False)
+        pc = p.astype(cdt)
+        if v_words:  # byte b of every word: channels 4c + b, sign-extended in registers
+            o = [
+                ob * corr[:, None]
+                + dot_f32(pc, lax.shift_right_arithmetic(v << (24 - 8 * b), 24).astype(cdt),
+                          trans_b=False)
+                for b, ob in enumerate(o)
+            ]  # fmt: skip
+        else:
+            o = o * corr[:, None] + dot_f32(pc, v.astype(cdt), trans_b=False)
         return o, m_new, l
 
+    dv = v_ref.shape[1]  # D, or D/4 words
+    acc = [jnp.zeros((gp, dv), jnp.float32) for _ in range(4)] if v_words else None
     init = (
-        jnp.zeros((gp, d), jnp.float32),
+        acc or jnp.zeros((gp, d), jnp.float32),
         jnp.full((gp,), _NEG, jnp.float32),
         jnp.zeros((gp,), jnp.float32),
     )
     o, m, l = lax.fori_loop(first, last, step, init)
-    finish(o, m, l, o_ref, lse_ref, group)
+    if v_words:  # stored byte-major ([4, D/4]); the wrapper restores channel order
+        has = l > 0
+        lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+        inv = 1.0 / jnp.where(has, l, 1.0)
+        for b, ob in enumerate(o):
+            store_rows(o_ref, ob * inv[:, None], group, pl.ds(b * dv, dv))
+    else:
+        finish(o, m, l, o_ref, lse_ref, group)
 
 
 def pad_group(q: Array) -> Array:
@@ -219,6 +238,7 @@ def launch(
         "num_stages",
         "return_logits",
         "int8_qk",
+        "v_words",
         "interpret",
     ),
 )
@@ -234,6 +254,7 @@ def decode_attention_triton(
     num_stages: int | None = None,
     return_logits: bool = False,
     int8_qk: bool | None = None,
+    v_words: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one full-precision or INT8 tier.
@@ -251,6 +272,9 @@ def decode_attention_triton(
             cores' int8 path (adds q's rounding, ≤ max|q|/254 per element, to the logits);
             default: the device's Tuning.int8_qk for a bfloat16 q (whose own rounding is of
             that size), off for float16/float32 q, which keep their precision.
+        v_words: INT8 tier only: read value codes as int32 words of 4 channels and split the
+            bytes in registers (4 value dots of D/4 channels), so no code is loaded from shared
+            memory one byte at a time; default from the device's Tuning.
         interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -265,18 +289,26 @@ def decode_attention_triton(
     if int8_qk is None:
         int8_qk = tune.int8_qk and q.dtype == jnp.bfloat16
     int8_qk = quantized and bool(int8_qk)
+    if v_words and not quantized:
+        raise ValueError("v_words applies to an Int8Tier only (a FullTier has no int8 values)")
+    v_words = quantized and (tune.int8_v_words if v_words is None else bool(v_words))
     block_k = block_k or tune.block_k
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
     qp = pad_group(q)
-    arrays = [tier.extent, q_pos, qp, tier.k, tier.v, tier.pos]
+    v = tier.v
+    if v_words and v.shape[-1] % 4:
+        raise ValueError(f"v_words needs a head dim divisible by 4, got {v.shape[-1]}")
+    if v_words:  # [C, D] int8 → [C, D/4] int32 (a bitcast, no copy)
+        v = lax.bitcast_convert_type(v.reshape(*v.shape[:-1], v.shape[-1] // 4, 4), jnp.int32)
+    arrays = [tier.extent, q_pos, qp, tier.k, v, tier.pos]
     specs = [
         head_spec(),
         pl.BlockSpec((None,), lambda i, j, s: (i,)),
         head_spec(*qp.shape[2:]),
         head_spec(*tier.k.shape[2:]),
-        head_spec(*tier.v.shape[2:]),
+        head_spec(*v.shape[2:]),
         head_spec(cap),
     ]
     if quantized:
@@ -286,13 +318,14 @@ def decode_attention_triton(
         _kernel,
         quantized=quantized,
         int8_qk=int8_qk,
+        v_words=v_words,
         scale=scale,
         block_k=block_k,
         num_splits=splits,
         group=group,
         return_logits=return_logits,
     )
-    return launch(
+    res = launch(
         kernel,
         arrays,
         specs,
@@ -306,3 +339,8 @@ def decode_attention_triton(
         interpret=interpret,
         name="kvjax_decode_int8" if quantized else "kvjax_decode_full",
     )
+    if v_words:  # byte-major channels [4, D/4] → channel order 4c + b
+        b_, h_, s_, g_, d_ = res.out.shape
+        out = res.out.reshape(b_, h_, s_, g_, 4, d_ // 4).swapaxes(-1, -2).reshape(res.out.shape)
+        res = res._replace(out=out)
+    return res

@@ -26,6 +26,7 @@ class Tuning:
             of scaling the probabilities per value group.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
+        int8_v_words: the INT8 kernel reads value codes as int32 words of 4 channels.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
@@ -37,6 +38,7 @@ class Tuning:
     lowbit_stack_pages: bool = False
     lowbit_dequant_values: bool = False
     int8_qk: bool = False
+    int8_v_words: bool = False
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512

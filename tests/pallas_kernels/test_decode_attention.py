@@ -355,3 +355,37 @@ def test_tuned_int8_qk_applies_to_bfloat16_queries_only(monkeypatch, dtype, on):
     want, other = (forced_on, forced_off) if on else (forced_off, forced_on)
     np.testing.assert_array_equal(np.asarray(default.logits), np.asarray(want.logits))
     assert not np.array_equal(np.asarray(default.logits), np.asarray(other.logits))
+
+
+@pytest.mark.parametrize("int8_qk", [False, True], ids=["cvt-qk", "int8-qk"])
+@pytest.mark.parametrize("case", INT8_QK_CASES, ids=lambda c: f"{c.dtype}-g{c.ratio}-d{c.head_dim}")
+def test_triton_int8_value_words_match_float64(case, int8_qk):
+    """The INT8 kernel reading value codes as int32 words of 4 channels (bytes split in
+    registers, 4 value dots, channel order restored outside) against the float64 oracle, and
+    against the byte-wise kernel: the same products, so equal to float32 rounding."""
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    interpret = jax.default_backend() != "gpu"
+    q, q_pos, full, int8, _ = make_tiers(case, _seed("v_words", case, int8_qk))
+    scale = q.shape[-1] ** -0.5
+    kw = dict(scale=scale, num_splits=2, block_k=16, int8_qk=int8_qk, interpret=interpret)
+    full_part = decode_attention_triton(q, full, q_pos, **kw | dict(int8_qk=None))
+    words, plain = (decode_attention_triton(q, int8, q_pos, v_words=f, **kw) for f in (True, False))
+    got_out, got_lse = combine([full_part, words])
+    out, lse, _, _ = oracle(q, q_pos, full, int8, None, None, scale)
+    got = np.asarray(got_out, np.float64)
+    assert np.all(np.isfinite(got))
+    tol = TOL["bfloat16"] if int8_qk else TOL[case.dtype]
+    assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
+    np.testing.assert_allclose(np.asarray(got_lse), lse, atol=10 * tol)
+    np.testing.assert_allclose(np.asarray(words.out), np.asarray(plain.out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(words.lse), np.asarray(plain.lse))
+
+
+def test_value_words_need_an_int8_tier():
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    case = Case(dtype="bfloat16", tiers="fp", ratio=2, head_dim=64)
+    q, q_pos, full, _, _ = make_tiers(case, 0)
+    with pytest.raises(ValueError, match="v_words applies to an Int8Tier only"):
+        decode_attention_triton(q, full, q_pos, scale=0.125, v_words=True, interpret=True)

@@ -36,13 +36,13 @@ KNOBS = dict(scale=D**-0.5, num_splits=4, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("logits", [False, True])
-@pytest.mark.parametrize("tier", ["bf16", "fp16", "int8", "int8_qk"])
+@pytest.mark.parametrize("tier", ["bf16", "fp16", "int8", "int8_qk", "int8_vw", "int8_qk_vw"])
 def test_dense_kernels_lower_for_h200(tier, logits):
     dtype = jnp.float16 if tier == "fp16" else jnp.bfloat16
     q, q_pos = _q(dtype)
     full, int8, _ = _tiers(dtype=dtype)
     data = int8 if tier.startswith("int8") else full
-    extra = dict(int8_qk=True) if tier == "int8_qk" else {}
+    extra = dict(int8_qk="_qk" in tier, v_words="_vw" in tier) if data is int8 else {}
     fn = functools.partial(
         decode_attention_triton, block_k=64, return_logits=logits, **KNOBS, **extra
     )
