@@ -7,6 +7,11 @@ for values the per-token scale multiplies the probabilities and the zero adds Σ
 output, so the PV dot runs on raw codes. A loop step covers block_k tokens (several pages), so
 the loads of a step are large enough to keep HBM busy and the online-softmax rescale is paid
 once per block, not once per page.
+
+Two options, off until timed (docs/decisions.md): `dequant_values` dequantizes value codes in
+registers instead (one p operand for every value dot), and `stack_pages` runs `_kernel_stacked`,
+which puts a step's pages on the padding rows of the query tile and folds each page's key
+statistics into its q row.
 """
 
 from __future__ import annotations
