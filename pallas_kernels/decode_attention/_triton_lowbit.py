@@ -54,18 +54,40 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
     return [(i, j, i * sub + j, (i * sub + j) // vg) for i in range(n) for j in range(0, sub, w)]
 
 
-def _values(acc, p, corr, vcodes, vs, vz, cdt, dequant: bool):
-    """acc·corr + p·V of every value chunk: vcodes(c, dtype) [T, w] chunk c's codes in dtype,
-    vs/vz [T] its group's per-token statistics. `dequant`: the chunk is dequantized in
-    registers and every dot shares one p operand; else the scale multiplies p and Σ p·zero is
-    added."""
+# A code as a float with no int-to-float conversion: the code in the low mantissa bits of a
+# float whose exponent makes one mantissa step 1 (offset + code, exact), minus the offset.
+# (uint type, bit pattern of the offset, offset, codes below 2^this bits fit).
+_MAGIC = {
+    jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0, 7),
+    jnp.dtype(jnp.float16): (jnp.uint16, 0x6400, 1024.0, 10),
+    jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 8388608.0, 23),
+}
+
+
+def code_float(code: Array, dtype, bits: int) -> Array:
+    """`bits`-bit uint8 codes as exact floats of `dtype` (bfloat16, float16 or float32); a plain
+    conversion where the codes do not fit the mantissa (8-bit codes in bfloat16)."""
+    ut, magic, offset, room = _MAGIC[jnp.dtype(dtype)]
+    if bits > room:
+        return code.astype(dtype)
+    x = lax.bitcast_convert_type(code.astype(ut) | jnp.asarray(magic, ut), dtype)
+    return x - jnp.asarray(offset, dtype)
+
+
+def _values(acc, p, corr, vcodes, vs, vz, cdt, bits: int, dequant: bool):
+    """acc·corr + p·V of every value chunk: vcodes(c, dtype) [T, w] chunk c's codes converted
+    to dtype (None: the raw codes), vs/vz [T] its group's per-token statistics. `dequant`: the
+    chunk is dequantized in registers, in the compute dtype (codes are exact there; one
+    rounding per value), and every dot shares one p operand; else the scale multiplies p and
+    Σ p·zero is added."""
     f32 = jnp.float32
     pc = p.astype(cdt) if dequant else None
     new = []
     for c, (a, vsc, vzc) in enumerate(zip(acc, vs, vz, strict=True)):
         vsc, vzc = vsc.astype(f32), vzc.astype(f32)
         if dequant:
-            vd = (vcodes(c, f32) * vsc[:, None] + vzc[:, None]).astype(cdt)
+            vd = code_float(vcodes(c, None), cdt, bits) * vsc.astype(cdt)[:, None]
+            vd = vd + vzc.astype(cdt)[:, None]
             new.append(a * corr[:, None] + dot_f32(pc, vd, trans_b=False))
         else:
             pv = dot_f32((p * vsc[None, :]).astype(cdt), vcodes(c, cdt), trans_b=False)
@@ -166,9 +188,10 @@ def _kernel(
 
         def vcodes(c, dt):  # [block_k, w]: the step's pages side by side
             i, j, _, _ = parts[c]
-            return codes(vp[j], i).astype(dt).reshape(block_k, w)
+            raw = codes(vp[j], i)
+            return (raw if dt is None else raw.astype(dt)).reshape(block_k, w)
 
-        return _values(acc, p, corr, vcodes, vs, vz, cdt, dequant_values), m_new, l
+        return _values(acc, p, corr, vcodes, vs, vz, cdt, bits, dequant_values), m_new, l
 
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
@@ -264,8 +287,12 @@ def _kernel_stacked(
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # [Rp, T]
         l = l * corr + jnp.sum(p, axis=1)
-        vcodes = lambda c, dt: codes(vp[parts[c][1]], parts[c][0]).astype(dt)
-        return _values(acc, p, corr, vcodes, vs, vz, cdt, dequant_values), m_new, l
+
+        def vcodes(c, dt):
+            i, j, _, _ = parts[c]
+            return codes(vp[j], i) if dt is None else codes(vp[j], i).astype(dt)
+
+        return _values(acc, p, corr, vcodes, vs, vz, cdt, bits, dequant_values), m_new, l
 
     _run_and_store(first, last, step, parts, w, rp, o_ref, lse_ref, npg * group)
 

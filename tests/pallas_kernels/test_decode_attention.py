@@ -179,6 +179,7 @@ LOWBIT_STEP_CASES = [
         ("bfloat16", "fp+int4", 4, 128),
         ("float32", "fp+int2", 1, 128),
         ("bfloat16", "fp+int4", 16, 64),  # stacked: 2 pages × 16 rows = a 32-row tile
+        ("bfloat16", "fp+int8b", 2, 64),  # 8-bit codes do not fit bfloat16's magic number
     ]
 ]
 
@@ -389,3 +390,16 @@ def test_value_words_need_an_int8_tier():
     q, q_pos, full, _, _ = make_tiers(case, 0)
     with pytest.raises(ValueError, match="v_words applies to an Int8Tier only"):
         decode_attention_triton(q, full, q_pos, scale=0.125, v_words=True, interpret=True)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_code_float_is_exact_for_every_code(dtype, bits):
+    """The magic-number conversion of the low-bit kernels equals an int-to-float conversion for
+    every code of the width (brute force; 8-bit codes in bfloat16 take the plain conversion)."""
+    from kvjax.pallas_kernels.decode_attention._triton_lowbit import code_float
+
+    codes = jnp.arange(1 << bits, dtype=jnp.uint8)
+    got = code_float(codes, dtype, bits)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.arange(1 << bits))
