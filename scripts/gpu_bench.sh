@@ -33,7 +33,12 @@ case "${1:-foundation}" in
   kernel)  # compiled (not interpreted) kernel tests, then `bench kernel` (+ SWEEP knob grid)
     if [ -z "${SKIP_TESTS:-}" ]; then
       # cuda first (the default backend), cpu for the TPU-interpreter cases' host callbacks.
-      (cd /tmp && JAX_PLATFORMS=cuda,cpu timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q \
+      # Compiling is CPU-bound: with pytest-xdist on the image, 8 workers share the GPU
+      # (no preallocation, so each takes only what its small cases need).
+      par=()
+      if python3 -c "import xdist" 2>/dev/null; then par=(-n 8); fi
+      (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \
+        timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest -q "${par[@]}" \
         --maxfail=5 -p no:cacheprovider -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
         --continue-on-collection-errors -W ignore::pytest.PytestConfigWarning \
         "$OLDPWD/tests/pallas_kernels/test_decode_attention.py" \
