@@ -1,8 +1,11 @@
 """Times the policy's own decode write (all layers, no model) at Llama-3-8B shapes, and the cost
 of data-dependent control flow inside a jitted loop on this backend. A debugging aid for the
-end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET..."""
+end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET...
+(POLICY@xla / POLICY@pallas: that write_kernel; PROBE_POLICY_ONLY=1 skips the control-flow
+timings)."""
 
 import dataclasses
+import os
 import sys
 
 import jax
@@ -40,14 +43,17 @@ def control_flow(n_layers: int, steps: int = 64) -> None:
 
 def main() -> None:
     n_layers = int(sys.argv[1])
-    control_flow(n_layers)
+    if not os.environ.get("PROBE_POLICY_ONLY"):  # (set under a profiler: the policy's kernels)
+        control_flow(n_layers)
     cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=n_layers)
     for spec in sys.argv[2:]:
         name, budget = spec.split(":")
+        name, _, writes = name.partition("@")
+        kw = dict(write_kernel=writes) if writes else {}
         pol = (
             make_policy(name)
             if name in BUDGETLESS
-            else make_policy(name, int(budget), num_layers=n_layers)
+            else make_policy(name, int(budget), num_layers=n_layers, **kw)
         )
         cache = new_cache(cfg, pol, batch=8, max_len=32768 + 128, dtype=jnp.bfloat16)
         cache, key = fill_random(pol, cache, 32768, 2048, jax.random.key(0))
