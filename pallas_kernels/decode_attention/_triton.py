@@ -60,11 +60,18 @@ def split_range(extent: Array, num_blocks_cap: int, block: int, num_splits: int)
     return first, jnp.minimum(first + per_split, n_blocks)
 
 
-def finish(o: Array, m: Array, l: Array, o_ref, lse_ref, group: int) -> None:
-    """Normalizes the split's accumulators and stores out [G, D] and lse [Gp]."""
+def finish(o: Array | list[Array], m: Array, l: Array, o_ref, lse_ref, group: int) -> None:
+    """Normalizes the split's accumulators and stores out [G, D] and lse [Gp]; o is [Gp, D] or
+    a list of [Gp, w] chunks stored side by side."""
     has = l > 0
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    store_rows(o_ref, o / jnp.where(has, l, 1.0)[:, None], group)
+    den = jnp.where(has, l, 1.0)[:, None]
+    if not isinstance(o, list):
+        store_rows(o_ref, o / den, group)
+        return
+    w = o[0].shape[1]
+    for c, oc in enumerate(o):
+        store_rows(o_ref, oc / den, group, pl.ds(c * w, w))
 
 
 def _kernel(
@@ -126,8 +133,8 @@ def _kernel(
         v = plgpu.load(v_ref.at[rows, :], mask=inb[:, None], other=0)
         if quantized:
             p = p * plgpu.load(vs_ref.at[rows], mask=inb, other=0.0)[None, :]
-        pc = p.astype(cdt)
-        if v_words:  # byte b of every word: channels 4c + b, sign-extended in registers
+        if v_words:
+            pc = p.astype(cdt)  # byte b of every word: channels 4c + b, sign-extended in registers
             o = [
                 ob * corr[:, None]
                 + dot_f32(pc, lax.shift_right_arithmetic(v << (24 - 8 * b), 24).astype(cdt),
@@ -135,7 +142,7 @@ def _kernel(
                 for b, ob in enumerate(o)
             ]  # fmt: skip
         else:
-            o = o * corr[:, None] + dot_f32(pc, v.astype(cdt), trans_b=False)
+            o = o * corr[:, None] + dot_f32(p.astype(cdt), v.astype(cdt), trans_b=False)
         return o, m_new, l
 
     dv = v_ref.shape[1]  # D, or D/4 words
@@ -146,14 +153,7 @@ def _kernel(
         jnp.zeros((gp,), jnp.float32),
     )
     o, m, l = lax.fori_loop(first, last, step, init)
-    if v_words:  # stored byte-major ([4, D/4]); the wrapper restores channel order
-        has = l > 0
-        lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-        inv = 1.0 / jnp.where(has, l, 1.0)
-        for b, ob in enumerate(o):
-            store_rows(o_ref, ob * inv[:, None], group, pl.ds(b * dv, dv))
-    else:
-        finish(o, m, l, o_ref, lse_ref, group)
+    finish(o, m, l, o_ref, lse_ref, group)  # v_words: byte-major [4, D/4], reordered outside
 
 
 def pad_group(q: Array) -> Array:
