@@ -84,14 +84,15 @@ def _values(acc, p, corr, vcodes, vs, vz, cdt, bits: int, dequant: bool):
     pc = p.astype(cdt) if dequant else None
     new = []
     for c, (a, vsc, vzc) in enumerate(zip(acc, vs, vz, strict=True)):
-        vsc, vzc = vsc.astype(f32), vzc.astype(f32)
         if dequant:
             vd = code_float(vcodes(c, None), cdt, bits) * vsc.astype(cdt)[:, None]
             vd = vd + vzc.astype(cdt)[:, None]
             new.append(a * corr[:, None] + dot_f32(pc, vd, trans_b=False))
-        else:
-            pv = dot_f32((p * vsc[None, :]).astype(cdt), vcodes(c, cdt), trans_b=False)
-            new.append(a * corr[:, None] + pv + jnp.sum(p * vzc[None, :], axis=1)[:, None])
+        else:  # (in the order the measured kernel traced it)
+            ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
+            pv = dot_f32(ps, vcodes(c, cdt), trans_b=False)
+            zero = jnp.sum(p * vzc.astype(f32)[None, :], axis=1)
+            new.append(a * corr[:, None] + pv + zero[:, None])
     return new
 
 
