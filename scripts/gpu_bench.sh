@@ -91,10 +91,11 @@ case "${1:-foundation}" in
       python3 "$OLDPWD/scripts/profile_kernel.py" "$@") >"$OUT/ncu_$1.log" 2>&1 || true
     grep -E "^ +[A-Z].* +[a-z%/]* +[0-9.,]+$|^  [a-z_]+|==PROF==|Error|rror:" "$OUT/ncu_$1.log" | head -120 ;;
   ncu-policy)  # every kernel's time in the policy's own decode write: ncu-policy LAYERS POL:B..
-    # (one metric, so one replay pass; the last steps of the probe are the steady state)
+    # (one metric, so one replay pass; every launch is profiled, so the last NCU_LAST are the
+    # steady state of the probe's timed loop)
     shift
     (cd /tmp && PROBE_POLICY_ONLY=1 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --csv --print-units base --launch-count "${NCU_LAUNCHES:-4000}" \
+      --csv --print-units base --launch-count "${NCU_LAUNCHES:-20000}" \
       python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") >"$OUT/ncu_policy.csv" 2>"$OUT/ncu_policy.err" || true
     python3 "$OLDPWD/scripts/ncu_kernel_times.py" "$OUT/ncu_policy.csv" "${NCU_LAST:-400}" \
       | tee "$OUT/ncu_policy.txt" ;;
