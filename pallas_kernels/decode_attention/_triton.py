@@ -62,16 +62,16 @@ def split_range(extent: Array, num_blocks_cap: int, block: int, num_splits: int)
 
 def finish(o: Array | list[Array], m: Array, l: Array, o_ref, lse_ref, group: int) -> None:
     """Normalizes the split's accumulators and stores out [G, D] and lse [Gp]; o is [Gp, D] or
-    a list of [Gp, w] chunks stored side by side."""
+    a list of [Gp, w] chunks stored side by side (normalized by one reciprocal)."""
     has = l > 0
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    den = jnp.where(has, l, 1.0)[:, None]
     if not isinstance(o, list):
-        store_rows(o_ref, o / den, group)
+        store_rows(o_ref, o / jnp.where(has, l, 1.0)[:, None], group)
         return
+    inv = 1.0 / jnp.where(has, l, 1.0)
     w = o[0].shape[1]
     for c, oc in enumerate(o):
-        store_rows(o_ref, oc / den, group, pl.ds(c * w, w))
+        store_rows(o_ref, oc * inv[:, None], group, pl.ds(c * w, w))
 
 
 def _kernel(

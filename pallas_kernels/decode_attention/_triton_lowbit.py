@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.pallas_kernels.decode_attention._tiers import LowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._triton import (
     dot_f32,
+    finish,
     head_spec,
     launch,
     pad_group,
@@ -42,7 +43,8 @@ _NEG = -1e30
 
 
 def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]]:
-    """(sub-block i, byte offset, first channel, value group) of every w-channel chunk.
+    """(sub-block i, byte offset, first channel, value group) of every w-channel chunk, in
+    channel order (chunk c starts at channel c·w).
 
     A chunk is w = min(D/n, D/NG) bytes of a packed row shifted by i·bits: channels
     [i·D/n + byte, +w), all inside one value group.
@@ -98,18 +100,15 @@ def _values(acc, p, corr, vcodes, vs, vz, cdt, bits: int, dequant: bool):
 
 def _run_and_store(first, last, step, parts, w: int, gp: int, o_ref, lse_ref, group: int):
     """Runs the online-softmax loop over [first, last) from empty accumulators (one [Gp, w] per
-    channel chunk) and stores the normalized chunks and the lse."""
+    channel chunk; chunk c holds channels [c·w, (c+1)·w)) and stores the normalized chunks and
+    the lse."""
     init = (
         [jnp.zeros((gp, w), jnp.float32) for _ in parts],
         jnp.full((gp,), _NEG, jnp.float32),
         jnp.zeros((gp,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(first, last, step, init)
-    has = l > 0
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    inv = 1.0 / jnp.where(has, l, 1.0)
-    for a, (_, _, c0, _) in zip(acc, parts, strict=True):
-        store_rows(o_ref, a * inv[:, None], group, pl.ds(c0, w))
+    finish(acc, m, l, o_ref, lse_ref, group)
 
 
 def _kernel(
@@ -364,6 +363,7 @@ def decode_attention_lowbit_triton(
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     stack = tune.lowbit_stack_pages if stack_pages is None else bool(stack_pages)
+    dequant = tune.lowbit_dequant_values if dequant_values is None else bool(dequant_values)
     if stack and block_k is None:
         block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)
@@ -393,9 +393,7 @@ def decode_attention_lowbit_triton(
             block_k=block_k,
             num_splits=splits,
             return_logits=return_logits,
-            dequant_values=tune.lowbit_dequant_values
-            if dequant_values is None
-            else bool(dequant_values),
+            dequant_values=dequant,
         ),
         arrays,
         specs,
