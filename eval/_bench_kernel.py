@@ -48,13 +48,23 @@ class KernelBench:
     error: str | None = None
 
 
+def _int8_row(row: str) -> bool:
+    return row == "pallas-int8"
+
+
+def _lowbit_row(row: str) -> bool:
+    return "int4" in row or "int2" in row
+
+
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
-    "int8_qk": (lambda r: r == "pallas-int8", "INT8"),
-    "v_words": (lambda r: r == "pallas-int8", "INT8"),
-    "stack_pages": (lambda r: "int4" in r or "int2" in r, "low-bit"),
-    "dequant_values": (lambda r: "int4" in r or "int2" in r, "low-bit"),
+    "int8_qk": (_int8_row, "INT8"),
+    "v_words": (_int8_row, "INT8"),
+    "stack_pages": (_lowbit_row, "low-bit"),
+    "dequant_values": (_lowbit_row, "low-bit"),
 }
+# Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
+SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)
 
 
 def _nbytes(*xs) -> int:

@@ -71,24 +71,14 @@ def _register_kernel(bsub) -> None:
     k.set_defaults(func=run_kernel)
 
 
-_KNOBS = (
-    "block_k",
-    "num_splits",
-    "num_warps",
-    "num_stages",
-    "int8_qk",
-    "v_words",
-    "stack_pages",
-    "dequant_values",
-)
-
-
 def _grid(specs: list[str]) -> list[dict[str, int]]:
     """["block_k=32,64", "num_warps=4"] -> every combination as a dict (one empty dict if none)."""
+    from kvjax.eval._bench_kernel import SWEEP_KNOBS
+
     grid: list[dict[str, int]] = [{}]
     for spec in specs:
         name, _, values = spec.partition("=")
-        if name not in _KNOBS or not values:
+        if name not in SWEEP_KNOBS or not values:
             raise SystemExit(f"error: bad --sweep entry {spec!r}")
         grid = [{**g, name: int(v)} for g in grid for v in values.split(",")]
     return grid

@@ -135,3 +135,19 @@ def test_hlo_loop_launches_counts_the_decode_loop_body():
     assert counts.get("while (dynamic)") == 1
     with pytest.raises(ValueError, match="no while loop"):
         hlo_loop_launches(jax.jit(jnp.sin).lower(jnp.ones(8)).compile().as_text())
+
+
+def test_cli_sweep_grid_takes_every_bench_knob_and_names_bad_entries():
+    from kvjax.cli._bench import _grid
+    from kvjax.eval._bench_kernel import SWEEP_KNOBS
+
+    assert _grid(["block_k=32,64", "v_words=0,1"]) == [
+        {"block_k": 32, "v_words": 0},
+        {"block_k": 32, "v_words": 1},
+        {"block_k": 64, "v_words": 0},
+        {"block_k": 64, "v_words": 1},
+    ]
+    assert all(_grid([f"{k}=1"]) == [{k: 1}] for k in SWEEP_KNOBS)
+    for bad in ("fold_scales=0,1", "block_k", "num_warps="):
+        with pytest.raises(SystemExit, match="bad --sweep entry"):
+            _grid([bad])
