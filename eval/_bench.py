@@ -24,7 +24,7 @@ from kvjax.attention import AttnStats
 from kvjax.cache import Cache, live_bytes, physical_bytes
 from kvjax.generate import model_step, new_cache
 from kvjax.models import ModelConfig, Params
-from kvjax.policies import Policy
+from kvjax.policies import BUDGETLESS, Policy, make_policy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,6 +161,16 @@ def policy_seconds_per_step(
     """The policy's own decode write, all layers, timed alone (`_policy_only`): (cache, s/step)."""
     cache, sec = second_call_seconds(lambda c: _policy_only(policy, steps, c, key), cache)
     return cache, sec / steps
+
+
+def policy_from_spec(spec: str, budget: int | None, num_layers: int) -> Policy:
+    """The policy NAME or NAME@WRITE_KERNEL (a ranked policy's `write_kernel`) at `budget` (the
+    debugging scripts' command-line form; budgetless policies ignore both)."""
+    name, _, writes = spec.partition("@")
+    if name in BUDGETLESS:
+        return make_policy(name)
+    kw = dict(write_kernel=writes) if writes else {}
+    return make_policy(name, budget, num_layers=num_layers, **kw)
 
 
 def cache_sized_shapes(cache, head_dim: int, ring: int = 64) -> set[tuple[int, ...]]:

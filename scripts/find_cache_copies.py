@@ -17,10 +17,10 @@ from kvjax.eval._bench import (
     cache_sized_shapes,
     hlo_copies,
     hlo_loop_launches,
+    policy_from_spec,
 )
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS, init_params
-from kvjax.policies import BUDGETLESS, make_policy
 
 CTX = 4096
 cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=2, vocab_size=1024)
@@ -28,10 +28,7 @@ params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
 # (kvpop is not listed: its shipped scorers fit SmolLM2's shapes only)
 budgets = {"confkv": 1580, "qevict": 819, "h2o": 819, "kivi": None, "full": None}
 for spec in sys.argv[1:] or list(budgets):
-    name, _, writes = spec.partition("@")  # NAME@pallas: ranked slot writes by one kernel
-    b = budgets.get(name, 819)
-    kw = dict(write_kernel=writes) if writes else {}
-    pol = make_policy(name) if name in BUDGETLESS else make_policy(name, b, num_layers=2, **kw)
+    pol = policy_from_spec(spec, budgets.get(spec.partition("@")[0], 819), num_layers=2)
     cache = new_cache(cfg, pol, batch=2, max_len=CTX, dtype=jnp.bfloat16)
     big = cache_sized_shapes(cache, cfg.head_dim)
     for label, lowered in (

@@ -11,10 +11,14 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from kvjax.eval._bench import fill_random, policy_seconds_per_step, second_call_seconds
+from kvjax.eval._bench import (
+    fill_random,
+    policy_from_spec,
+    policy_seconds_per_step,
+    second_call_seconds,
+)
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS
-from kvjax.policies import BUDGETLESS, make_policy
 
 
 def control_flow(n_layers: int, steps: int = 64) -> None:
@@ -48,13 +52,7 @@ def main() -> None:
     cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=n_layers)
     for spec in sys.argv[2:]:
         name, budget = spec.split(":")
-        name, _, writes = name.partition("@")
-        kw = dict(write_kernel=writes) if writes else {}
-        pol = (
-            make_policy(name)
-            if name in BUDGETLESS
-            else make_policy(name, int(budget), num_layers=n_layers, **kw)
-        )
+        pol = policy_from_spec(name, int(budget), num_layers=n_layers)
         cache = new_cache(cfg, pol, batch=8, max_len=32768 + 128, dtype=jnp.bfloat16)
         cache, key = fill_random(pol, cache, 32768, 2048, jax.random.key(0))
         _, sec = policy_seconds_per_step(pol, 16, cache, key)

@@ -151,3 +151,14 @@ def test_cli_sweep_grid_takes_every_bench_knob_and_names_bad_entries():
     for bad in ("fold_scales=0,1", "block_k", "num_warps="):
         with pytest.raises(SystemExit, match="bad --sweep entry"):
             _grid([bad])
+
+
+def test_policy_from_spec_reads_the_write_kernel_and_budgetless_names():
+    from kvjax.eval._bench import policy_from_spec
+
+    pol = policy_from_spec("confkv@pallas", 1580, num_layers=2)
+    assert (type(pol).__name__, pol.write_kernel) == ("ConfKVPolicy", "pallas")
+    assert policy_from_spec("h2o", 819, num_layers=2).write_kernel == "auto"
+    assert type(policy_from_spec("full", None, num_layers=2)).__name__ == "FullPolicy"
+    with pytest.raises(ValueError, match="write_kernel must be one of"):
+        policy_from_spec("h2o@cuda", 819, num_layers=2)
