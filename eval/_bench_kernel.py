@@ -61,7 +61,6 @@ _ROW_KNOBS = {
     "int8_qk": (_int8_row, "INT8"),
     "v_words": (_int8_row, "INT8"),
     "stack_pages": (_lowbit_row, "low-bit"),
-    "dequant_values": (_lowbit_row, "low-bit"),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)
@@ -179,7 +178,7 @@ def bench_kernel(
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
     num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk and v_words for the
-    INT8 row only, stack_pages and dequant_values for the low-bit rows only), on the same data.
+    INT8 row only, stack_pages for the low-bit rows only), on the same data.
     `on_row` sees each row as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():

@@ -39,7 +39,7 @@ case "${1:-foundation}" in
       if python3 -c "import xdist" 2>/dev/null; then par=(-n 8); fi
       (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \
         timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest -q "${par[@]}" \
-        --maxfail=5 -p no:cacheprovider -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
+        --maxfail=5 -p no:cacheprovider -p no:benchmark -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
         --continue-on-collection-errors -W ignore::pytest.PytestConfigWarning \
         "$OLDPWD/tests/pallas_kernels/test_decode_attention.py" \
         "$OLDPWD/tests/pallas_kernels/test_slot_write.py" -k "not Interpret" \

@@ -3,8 +3,8 @@ instructions per token (a kernel-development aid: compare variants before spendi
 
 Usage: python scripts/kernel_sass.py ROW [KNOB=V ...]
   ROW: pallas-bf16, pallas-int8, pallas-int4 or pallas-int2 (B=8, S=32768, Hq 32, Hkv 8,
-  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages,
-  dequant_values (default: the H200 tuning).
+  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages
+  (default: the H200 tuning).
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
 TRITON_PYTHON=/tmp/tv/bin/python python scripts/kernel_sass.py pallas-int4 stack_pages=1
@@ -59,9 +59,8 @@ kw = dict(scale=D**-0.5, num_warps=knobs.pop("num_warps", tune.num_warps))
 if bits in (2, 4):
     stack = bool(knobs.pop("stack_pages", tune.lowbit_stack_pages))
     block = knobs.pop("block_k", stacked_block_k(PAGE, G) if stack else tune.lowbit_block_k)
-    dequant = bool(knobs.pop("dequant_values", tune.lowbit_dequant_values))
     stages = knobs.pop("num_stages", tune.lowbit_num_stages)
-    kw |= dict(bits=bits, stack_pages=stack, dequant_values=dequant, num_stages=stages)
+    kw |= dict(bits=bits, stack_pages=stack, num_stages=stages)
     fn, tier = decode_attention_lowbit_triton, lowbit
 else:
     block = knobs.pop("block_k", tune.block_k)

@@ -8,10 +8,9 @@ output, so the PV dot runs on raw codes. A loop step covers block_k tokens (seve
 the loads of a step are large enough to keep HBM busy and the online-softmax rescale is paid
 once per block, not once per page.
 
-Two options, off until timed (docs/decisions.md): `dequant_values` dequantizes value codes in
-registers instead (one p operand for every value dot), and `stack_pages` runs `_kernel_stacked`,
-which puts a step's pages on the padding rows of the query tile and folds each page's key
-statistics into its q row.
+`stack_pages` (the H200/H100 default since it was timed, docs/benchmarks.md) runs
+`_kernel_stacked` instead, which puts a step's pages on the padding rows of the query tile and
+folds each page's key statistics into its q row.
 """
 
 from __future__ import annotations
@@ -57,44 +56,17 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
 
 
 # A code as a float with no int-to-float conversion: the code in the low mantissa bits of a
-# float whose exponent makes one mantissa step 1 (offset + code, exact), minus the offset.
-# (uint type, bit pattern of the offset, offset, codes below 2^this bits fit).
-_MAGIC = {
-    jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0, 7),
-    jnp.dtype(jnp.float16): (jnp.uint16, 0x6400, 1024.0, 10),
-    jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 8388608.0, 23),
-}
-
-
-def code_float(code: Array, dtype, bits: int) -> Array:
-    """`bits`-bit uint8 codes as exact floats of `dtype` (bfloat16, float16 or float32); a plain
-    conversion where the codes do not fit the mantissa (8-bit codes in bfloat16)."""
-    ut, magic, offset, room = _MAGIC[jnp.dtype(dtype)]
-    if bits > room:
-        return code.astype(dtype)
-    x = lax.bitcast_convert_type(code.astype(ut) | jnp.asarray(magic, ut), dtype)
-    return x - jnp.asarray(offset, dtype)
-
-
-def _values(acc, p, corr, vcodes, vs, vz, cdt, bits: int, dequant: bool):
-    """acc·corr + p·V of every value chunk: vcodes(c, dtype) [T, w] chunk c's codes converted
-    to dtype (None: the raw codes), vs/vz [T] its group's per-token statistics. `dequant`: the
-    chunk is dequantized in registers, in the compute dtype (codes are exact there; one
-    rounding per value), and every dot shares one p operand; else the scale multiplies p and
-    Σ p·zero is added."""
+def _values(acc, p, corr, vcodes, vs, vz, cdt):
+    """acc·corr + p·V of every value chunk: vcodes(c) [T, w] chunk c's codes converted to the
+    compute dtype cdt, vs/vz [T] its group's per-token statistics. The scale multiplies p and
+    Σ p·zero is added, so the dot runs on the raw codes."""
     f32 = jnp.float32
-    pc = p.astype(cdt) if dequant else None
     new = []
     for c, (a, vsc, vzc) in enumerate(zip(acc, vs, vz, strict=True)):
-        if dequant:
-            vd = code_float(vcodes(c, None), cdt, bits) * vsc.astype(cdt)[:, None]
-            vd = vd + vzc.astype(cdt)[:, None]
-            new.append(a * corr[:, None] + dot_f32(pc, vd, trans_b=False))
-        else:  # (in the order the measured kernel traced it)
-            ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
-            pv = dot_f32(ps, vcodes(c, cdt), trans_b=False)
-            zero = jnp.sum(p * vzc.astype(f32)[None, :], axis=1)
-            new.append(a * corr[:, None] + pv + zero[:, None])
+        ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
+        pv = dot_f32(ps, vcodes(c), trans_b=False)
+        zero = jnp.sum(p * vzc.astype(f32)[None, :], axis=1)
+        new.append(a * corr[:, None] + pv + zero[:, None])
     return new
 
 
@@ -131,7 +103,6 @@ def _kernel(
     num_splits: int,
     group: int,
     return_logits: bool,
-    dequant_values: bool,
 ):
     pages, page, _ = k_ref.shape
     n_tok = pages * page
@@ -186,12 +157,11 @@ def _kernel(
         p = jnp.exp(s - m_new[:, None])  # [Gp, T]
         l = l * corr + jnp.sum(p, axis=1)
 
-        def vcodes(c, dt):  # [block_k, w]: the step's pages side by side
+        def vcodes(c):  # [block_k, w]: the step's pages side by side
             i, j, _, _ = parts[c]
-            raw = codes(vp[j], i)
-            return (raw if dt is None else raw.astype(dt)).reshape(block_k, w)
+            return codes(vp[j], i).astype(cdt).reshape(block_k, w)
 
-        return _values(acc, p, corr, vcodes, vs, vz, cdt, bits, dequant_values), m_new, l
+        return _values(acc, p, corr, vcodes, vs, vz, cdt), m_new, l
 
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
@@ -217,7 +187,6 @@ def _kernel_stacked(
     block_k: int,
     num_splits: int,
     return_logits: bool,
-    dequant_values: bool,
 ):
     """The low-bit kernel with a step's pages stacked on the query rows.
 
@@ -288,11 +257,11 @@ def _kernel_stacked(
         p = jnp.exp(s - m_new[:, None])  # [Rp, T]
         l = l * corr + jnp.sum(p, axis=1)
 
-        def vcodes(c, dt):
+        def vcodes(c):
             i, j, _, _ = parts[c]
-            return codes(vp[j], i) if dt is None else codes(vp[j], i).astype(dt)
+            return codes(vp[j], i).astype(cdt)
 
-        return _values(acc, p, corr, vcodes, vs, vz, cdt, bits, dequant_values), m_new, l
+        return _values(acc, p, corr, vcodes, vs, vz, cdt), m_new, l
 
     _run_and_store(first, last, step, parts, w, rp, o_ref, lse_ref, npg * group)
 
@@ -308,7 +277,6 @@ def _kernel_stacked(
         "num_stages",
         "return_logits",
         "stack_pages",
-        "dequant_values",
         "interpret",
     ),
 )
@@ -325,7 +293,6 @@ def decode_attention_lowbit_triton(
     num_stages: int | None = None,
     return_logits: bool = False,
     stack_pages: bool | None = None,
-    dequant_values: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -348,8 +315,6 @@ def decode_attention_lowbit_triton(
             statistics folded into q) instead of dequantizing keys in registers; default from
             the device's Tuning. Its default block_k is the most pages (≤ 2) whose G rows each
             fit the 16-row tile.
-        dequant_values: dequantize value codes in registers (one shared p operand for every
-            value dot) instead of scaling p per value group; default from the device's Tuning.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -363,7 +328,6 @@ def decode_attention_lowbit_triton(
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     stack = tune.lowbit_stack_pages if stack_pages is None else bool(stack_pages)
-    dequant = tune.lowbit_dequant_values if dequant_values is None else bool(dequant_values)
     if stack and block_k is None:
         block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)
@@ -393,7 +357,6 @@ def decode_attention_lowbit_triton(
             block_k=block_k,
             num_splits=splits,
             return_logits=return_logits,
-            dequant_values=dequant,
         ),
         arrays,
         specs,

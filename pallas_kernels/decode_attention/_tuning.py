@@ -22,8 +22,6 @@ class Tuning:
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
             (statistics folded into q) instead of dequantizing keys in registers.
-        lowbit_dequant_values: the low-bit kernels dequantize value codes in registers instead
-            of scaling the probabilities per value group.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         int8_v_words: the INT8 kernel reads value codes as int32 words of 4 channels.
@@ -36,7 +34,6 @@ class Tuning:
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
     lowbit_stack_pages: bool = False
-    lowbit_dequant_values: bool = False
     int8_qk: bool = False
     int8_v_words: bool = False
     num_warps: int = 4
@@ -47,10 +44,22 @@ class Tuning:
 DEFAULT = Tuning()
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": Tuning(
-        block_k=64, num_warps=4, num_stages=3, target_programs=1056, int8_qk=True
+        block_k=64,
+        num_warps=4,
+        num_stages=3,
+        target_programs=1056,
+        int8_qk=True,
+        int8_v_words=True,
+        lowbit_stack_pages=True,
     ),
     "NVIDIA H100 80GB HBM3": Tuning(
-        block_k=64, num_warps=4, num_stages=3, target_programs=1056, int8_qk=True
+        block_k=64,
+        num_warps=4,
+        num_stages=3,
+        target_programs=1056,
+        int8_qk=True,
+        int8_v_words=True,
+        lowbit_stack_pages=True,
     ),
     # interpret mode: few, small programs
     "cpu": Tuning(block_k=16, lowbit_block_k=16, target_programs=4),

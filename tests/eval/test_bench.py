@@ -105,7 +105,6 @@ def test_bench_kernel_rows_bytes_and_errors():
     [
         ("int8_qk", ("pallas-int8", "pallas-int4"), "int8_qk applies to the INT8 rows only"),
         ("stack_pages", ("pallas-int2", "pallas-int8"), "stack_pages applies to the low-bit"),
-        ("dequant_values", ("pallas-int4", "pallas-bf16"), "dequant_values applies to the low"),
         ("v_words", ("pallas-int8", "pallas-int2"), "v_words applies to the INT8 rows only"),
     ],
 )

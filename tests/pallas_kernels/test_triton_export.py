@@ -50,14 +50,13 @@ def test_dense_kernels_lower_for_h200(tier, logits):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("dequant_v", [False, True], ids=["pscaled", "vdequant"])
 @pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_lowbit_kernels_lower_for_h200(bits, stack, dequant_v):
+def test_lowbit_kernels_lower_for_h200(bits, stack):
     q, q_pos = _q()
     fn = functools.partial(
         decode_attention_lowbit_triton, bits=bits, block_k=None if stack else 64,
-        stack_pages=stack, dequant_values=dequant_v,
+        stack_pages=stack,
         return_logits=True, **KNOBS,
     )  # fmt: skip
     assert export_cuda(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
