@@ -201,7 +201,8 @@ class RankedPolicy(Policy):
         if not self.frozen_in_decode:
             layer = self._scored(layer, stats, cur3, state, li)
         budget = self.ranked_budget(state, li, b)[:, None]  # [B, 1]
-        layer = self._shrink(layer, budget, cur3, li)
+        layer, stats_now = self._shrink(layer, budget, cur3, li)
+        live, free, lowest_prio, lowest = stats_now
         new = Tokens(
             k=jnp.swapaxes(k_new, 1, 2),
             v=jnp.swapaxes(v_new, 1, 2),
@@ -210,17 +211,10 @@ class RankedPolicy(Policy):
         )
         ring_slot = jnp.broadcast_to((cur % w)[:, None, None], (b, h, 1))
         leaving = fp_slice(layer, 0, w).take(ring_slot)  # the token the new one pushes out
-        ranked = self._ranked(layer)
-        prio = self._prio(ranked, cur3, li)  # [B, H, M]
-        live = jnp.sum(ranked.pos >= 0, axis=-1)  # [B, H]
-        free = jnp.argmax(ranked.pos < 0, axis=-1)  # first empty slot (holes after evictions)
-        occupied_prio = jnp.where(ranked.pos >= 0, prio, _INF)
-        lowest = jnp.argmin(occupied_prio, axis=-1)
-        lowest_prio = jnp.min(occupied_prio, axis=-1)
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
         if self.frozen_in_decode:
             leave_prio = jnp.full_like(leave_prio, -_INF)
-        m = ranked.pos.shape[-1]
+        m = self._ranked(layer).pos.shape[-1]
         target = jnp.where(live < budget, free, jnp.where(leave_prio > lowest_prio, lowest, m))
         target = jnp.where((leaving.pos[..., 0] >= 0) & valid[:, :1], target, m)[..., None]
         ring_slot = jnp.where(valid[:, :, None], ring_slot, layer.capacity)
@@ -234,25 +228,29 @@ class RankedPolicy(Policy):
 
     def _shrink(self, layer, budget, cur3, li):
         """Evict the lowest-priority ranked tokens down to `budget` [B, 1] by emptying their
-        slots (pos -1; K/V stay where they are, as holes the next tokens fill).
+        slots (pos -1; K/V stay where they are, as holes the next tokens fill). Returns the
+        layer and the ranked region's `slot_stats` after any eviction.
 
         The eviction (a sort) runs under lax.cond only when some head holds more than its
-        budget, and the cond returns only the ranked region's positions: a cond carrying K/V
-        would make XLA copy the whole tier every step (measured on the H200: ~9 ms/step for
-        confkv at Llama-3-8B shapes, 32K context, batch 8)."""
+        budget, and the cond returns only the ranked region's positions and statistics: a cond
+        carrying K/V would make XLA copy the whole tier every step (measured on the H200:
+        ~9 ms/step for confkv at Llama-3-8B shapes, 32K context, batch 8). The statistics the
+        decode step needs come from one fused reduction, recomputed only after an eviction."""
         ranked = self._ranked(layer)
-        live = jnp.sum(ranked.pos >= 0, axis=-1)
+        prio = self._prio(ranked, cur3, li)
+        now = slot_stats(ranked.pos, prio)
 
         def evict(pos):
-            keep = _keep_top(self._prio(ranked, cur3, li), pos, budget)
-            return jnp.where(keep, pos, -1)
+            pos = jnp.where(_keep_top(prio, pos, budget), pos, -1)
+            return pos, slot_stats(pos, prio)
 
-        pos = jax.lax.cond(jnp.any(live > budget), evict, lambda p: p, ranked.pos)
+        pos, now = jax.lax.cond(jnp.any(now[0] > budget), evict, lambda p: (p, now), ranked.pos)
         if self.int8:
-            return layer.replace(int8=layer.int8.replace(pos=pos))
-        return layer.replace(
+            return layer.replace(int8=layer.int8.replace(pos=pos)), now
+        layer = layer.replace(
             pos=jax.lax.dynamic_update_slice_in_dim(layer.pos, pos, self.ring, axis=2)
         )
+        return layer, now
 
     def _set_ranked(self, layer, toks: Tokens):
         if self.int8:
@@ -291,6 +289,40 @@ class RankedPolicy(Policy):
         layer = self._set_ranked(layer, kept)
         slot = jnp.where(stays(new.pos), new.pos % w, layer.capacity)
         return scatter_fp(layer, slot, new)
+
+
+def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
+    """What a decode step needs of a ranked region [B, H, M], in one variadic reduction (one
+    kernel on GPU instead of four row reductions, which at decode sizes cost latency, not
+    bytes): (live, free, lowest_prio, lowest), each [B, H] — the occupied slots (pos >= 0), the
+    first empty slot (0 if none, as jnp.argmax), the lowest priority among occupied slots (+inf
+    if none) and its slot (the first on ties, a NaN before any number, 0 if none: as
+    jnp.argmin of the occupied priorities with +inf on empty slots)."""
+    m = pos.shape[-1]
+    idx = jax.lax.broadcasted_iota(jnp.int32, pos.shape, pos.ndim - 1)
+    occupied = pos >= 0
+    operands = (
+        occupied.astype(jnp.int32),
+        jnp.where(occupied, m, idx),
+        jnp.where(occupied, prio.astype(jnp.float32), _INF),
+        idx,
+    )
+
+    def combine(a, b):
+        (na, fa, va, ia), (nb, fb, vb, ib) = a, b
+        nan_a, nan_b = jnp.isnan(va), jnp.isnan(vb)
+        a_first = (va < vb) | ((va == vb) & (ia < ib)) | (nan_a & ~nan_b)
+        a_first = a_first | (nan_a & nan_b & (ia < ib))
+        return (
+            na + nb,
+            jnp.minimum(fa, fb),
+            jnp.where(a_first, va, vb),
+            jnp.where(a_first, ia, ib),
+        )
+
+    init = (jnp.int32(0), jnp.int32(m), jnp.float32(_INF), jnp.int32(m))
+    live, free, low, lowest = jax.lax.reduce(operands, init, combine, (pos.ndim - 1,))
+    return live, jnp.where(free == m, 0, free), low, lowest
 
 
 def _keep_top(prio: Array, pos: Array, budget: Array) -> Array:

@@ -240,3 +240,38 @@ def test_auto_write_kernel_is_pallas_on_gpu_only():
     assert got == {"gpu": "pallas", "tpu": "xla", "cpu": "xla"}
     for name in ("xla", "pallas"):
         assert {resolve_write_kernel(name, b) for b in ("gpu", "tpu", "cpu")} == {name}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+    p_empty=st.sampled_from([0.0, 0.3, 1.0]),
+    levels=st.sampled_from([3, 1000]),
+)
+def test_slot_stats_is_the_four_reductions_by_brute_force(m, seed, p_empty, levels):
+    """The decode step's fused reduction against a per-row Python loop: live count, first empty
+    slot, lowest occupied priority and its slot (jnp.argmin's rule: first on ties, NaN first),
+    with ties (few priority levels), +inf (sinks),
+    NaN, and rows with no empty / no occupied slot."""
+    from kvjax.policies._ranked import slot_stats
+
+    rng = np.random.default_rng(seed)
+    shape = (3, 2, m)
+    pos = np.where(rng.random(shape) < p_empty, -1, rng.integers(0, 100, shape)).astype(np.int32)
+    prio = rng.integers(0, levels, shape).astype(np.float32)
+    prio[rng.random(shape) < 0.1] = np.inf
+    prio[rng.random(shape) < 0.05] = np.nan
+    got = [np.asarray(x) for x in jax.jit(slot_stats)(jnp.asarray(pos), jnp.asarray(prio))]
+    for b, h in np.ndindex(shape[:2]):
+        occ = [i for i in range(m) if pos[b, h, i] >= 0]
+        free = next((i for i in range(m) if pos[b, h, i] < 0), 0)
+        # empty slots count as +inf (so a row of only +inf gives its first slot, empty or not)
+        vals = [(prio[b, h, i] if i in occ else np.inf, i) for i in range(m)]
+        nans = [i for v, i in vals if np.isnan(v)]
+        low = np.nan if nans else min(v for v, _ in vals)
+        lowest = nans[0] if nans else next(i for v, i in vals if v == low)
+        assert got[0][b, h] == len(occ)
+        assert got[1][b, h] == free
+        np.testing.assert_array_equal(got[2][b, h], low)
+        assert got[3][b, h] == lowest, (pos[b, h], prio[b, h])
