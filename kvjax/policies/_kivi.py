@@ -66,6 +66,8 @@ class KIVIPolicy(Policy):
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del stats, state, layer_index
+        if k_new.shape[1] == 1:
+            return self._decode(layer, k_new, v_new, pos_new, valid)
         r, g = self.residual, self.group
         b, t, h, d = k_new.shape
         n0 = pos_new[:, 0]  # tokens before this call
@@ -83,32 +85,9 @@ class KIVIPolicy(Policy):
         # Full pages of the stream below f1 are quantized (once) and written.
         n_pages = (r + t) // g
         if n_pages:
-            lb = layer.lowbit
-            pk = ks[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
-            pv = vs[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
-            kc, k_scale, k_zero = quantize_per_channel(pk, self.bits)
-            vc, v_scale, v_zero = quantize_per_token(pv, self.bits, d // lb.v_scale.shape[-1])
             j = jnp.arange(n_pages, dtype=jnp.int32)[None, :]
             ok = (j + 1) * g <= (f1 - f0)[:, None]
-            page = jnp.where(ok, f0[:, None] // g + j, lb.pos.shape[2])[:, None, :]  # [B, 1, P']
-            page = jnp.broadcast_to(page, (b, h, n_pages))
-            tok_pos = f0[:, None, None, None] + (
-                j[:, None, :, None] * g + jnp.arange(g)[None, None, None, :]
-            )
-            bi = jnp.arange(b)[:, None, None]
-            hi = jnp.arange(h)[None, :, None]
-            put = lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
-            lb = lb.replace(
-                k=put(lb.k, pack(kc, self.bits)),
-                v=put(lb.v, pack(vc, self.bits)),
-                k_scale=put(lb.k_scale, k_scale),
-                k_zero=put(lb.k_zero, k_zero),
-                v_scale=put(lb.v_scale, v_scale),
-                v_zero=put(lb.v_zero, v_zero),
-                pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))),
-                held=put(lb.held, jnp.ones((b, h, n_pages), bool)),
-            )
-            layer = layer.replace(lowbit=lb)
+            layer = self._write_pages(layer, ks, vs, f0, ok)
         # The residual becomes the stream's tail from f1 on.
         s = jnp.arange(r, dtype=jnp.int32)[None, :]
         tail = (f1 - f0)[:, None] + s  # [B, R] stream index of each residual slot
@@ -120,3 +99,56 @@ class KIVIPolicy(Policy):
         return layer.replace(
             k=pick(ks), v=pick(vs), pos=pos.astype(jnp.int32), score=jnp.zeros_like(layer.score)
         )
+
+    def _decode(self, layer, k_new, v_new, pos_new, valid):
+        """One token per sequence, in place: the token goes to its residual slot (one scatter,
+        no rebuild of the residual); when that fills the residual, its R/G pages are quantized
+        and written and its slots emptied (pos −1; K/V stay as dead slots the next tokens
+        overwrite). Same cache as `write`'s general path on every live slot and page."""
+        r = self.residual
+        b, _, h, _ = k_new.shape
+        n0 = pos_new[:, 0]
+        f0 = (n0 // r) * r
+        c0 = n0 - f0  # the token's residual slot
+        slot = jnp.where(valid[:, 0], c0, r)[:, None]  # r: dropped (padding row)
+        bi, hi = jnp.arange(b)[:, None], jnp.arange(h)[None, :]
+        put = lambda a, x: a.at[bi, hi, slot].set(x.astype(a.dtype), mode="drop")
+        k = put(layer.k, k_new[:, 0])
+        v = put(layer.v, v_new[:, 0])
+        pos = put(layer.pos, jnp.broadcast_to(n0[:, None], (b, h)))
+        full = valid[:, 0] & (c0 == r - 1)  # the residual now holds R tokens: flush it
+        ok = jnp.broadcast_to(full[:, None], (b, r // self.group))
+        layer = self._write_pages(layer.replace(k=k, v=v), k, v, f0, ok)
+        return layer.replace(pos=jnp.where(full[:, None, None], -1, pos))
+
+    def _write_pages(self, layer, ks, vs, f0, ok):
+        """Quantize the stream [B, H, ≥ P'·G, D] (tokens from position f0 [B]) as P' pages and
+        write page j where ok [B, P'] (pages are write-once: the others are dropped)."""
+        g = self.group
+        lb = layer.lowbit
+        b, h, _, d = ks.shape
+        n_pages = ok.shape[1]
+        pk = ks[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
+        pv = vs[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
+        kc, k_scale, k_zero = quantize_per_channel(pk, self.bits)
+        vc, v_scale, v_zero = quantize_per_token(pv, self.bits, d // lb.v_scale.shape[-1])
+        j = jnp.arange(n_pages, dtype=jnp.int32)[None, :]
+        page = jnp.where(ok, f0[:, None] // g + j, lb.pos.shape[2])[:, None, :]  # [B, 1, P']
+        page = jnp.broadcast_to(page, (b, h, n_pages))
+        tok_pos = f0[:, None, None, None] + (
+            j[:, None, :, None] * g + jnp.arange(g)[None, None, None, :]
+        )
+        bi = jnp.arange(b)[:, None, None]
+        hi = jnp.arange(h)[None, :, None]
+        put = lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
+        lb = lb.replace(
+            k=put(lb.k, pack(kc, self.bits)),
+            v=put(lb.v, pack(vc, self.bits)),
+            k_scale=put(lb.k_scale, k_scale),
+            k_zero=put(lb.k_zero, k_zero),
+            v_scale=put(lb.v_scale, v_scale),
+            v_zero=put(lb.v_zero, v_zero),
+            pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))),
+            held=put(lb.held, jnp.ones((b, h, n_pages), bool)),
+        )
+        return layer.replace(lowbit=lb)

@@ -62,3 +62,58 @@ def test_kivi_rejects_bad_groups():
         make_policy("kivi", bits=3)
     with pytest.raises(ValueError, match="takes no budget"):
         make_policy("kivi", 64)
+
+
+def test_decode_padding_rows_change_nothing():
+    """One-token decode writes (the in-place path) with a padding row (valid False) on random
+    steps: that row's cache equals a batch-1 run over its valid tokens only, live slots and
+    pages alike, and the other row equals its own batch-1 run."""
+    r, g, h, d, n = 8, 4, 2, 8, 27
+    policy = make_policy("kivi", residual=r, group=g, bits=2, value_group=4)
+    rng = np.random.default_rng(1)
+    keys = rng.normal(size=(2, n, h, d)).astype(np.float32)
+    vals = rng.normal(size=(2, n, h, d)).astype(np.float32)
+    valid = np.stack([np.ones(n, bool), rng.random(n) < 0.6])
+
+    def run(rows):
+        spec = policy.cache_spec(
+            batch=len(rows), num_layers=1, num_kv_heads=h, head_dim=d, max_len=n, dtype=jnp.float32
+        )
+        layer = init_cache(spec).layers[0]
+        count = np.zeros(len(rows), np.int32)
+        for step in range(n):
+            ok = valid[rows, step] if len(rows) > 1 else np.ones(1, bool)
+            if len(rows) == 1 and not valid[rows[0], step]:
+                continue
+            stats = AttnStats(
+                slot_mass=jnp.zeros((len(rows), h, r)),
+                new_mass=jnp.zeros((len(rows), h, 1)),
+                lse=jnp.zeros((len(rows), 1, h)),
+            )
+            layer = policy.write(
+                layer,
+                jnp.asarray(keys[rows, step])[:, None],
+                jnp.asarray(vals[rows, step])[:, None],
+                jnp.asarray(count)[:, None],
+                jnp.asarray(ok)[:, None],
+                stats,
+                None,
+                layer_index=0,
+            )
+            count += ok
+        return layer
+
+    both = run([0, 1])
+    for row in (0, 1):
+        alone = run([row])
+        live = np.asarray(alone.pos[0]) >= 0
+        np.testing.assert_array_equal(np.asarray(both.pos[row]), np.asarray(alone.pos[0]))
+        np.testing.assert_array_equal(np.asarray(both.k[row])[live], np.asarray(alone.k[0])[live])
+        np.testing.assert_array_equal(np.asarray(both.v[row])[live], np.asarray(alone.v[0])[live])
+        for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "pos", "held"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(both.lowbit, name)[row]),
+                np.asarray(getattr(alone.lowbit, name)[0]),
+                err_msg=name,
+            )
+    assert int(np.sum(np.asarray(both.lowbit.held[1, 0]))) == int(valid[1].sum()) // r * (r // g)
