@@ -82,6 +82,12 @@ case "${1:-foundation}" in
   probe)  # the policy's own write and control-flow costs (scripts/policy_step_probe.py ARGS)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
+  trace-policy)  # per-kernel device times of the policy's own write, from a JAX profiler trace
+    # (ncu crashed on this probe): trace-policy LAYERS POL:B.. (PROBE_BATCH=1 for batch 1)
+    shift
+    (cd /tmp && PROBE_POLICY_ONLY=1 PROBE_TRACE="$OUT/trace" python3 \
+      "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/trace_policy.txt"
+    tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace" ;;
   ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
     shift
     (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \

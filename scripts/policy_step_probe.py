@@ -2,7 +2,8 @@
 of data-dependent control flow inside a jitted loop on this backend. A debugging aid for the
 end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET...
 (POLICY@xla / POLICY@pallas: that write_kernel; PROBE_POLICY_ONLY=1 skips the control-flow
-timings)."""
+timings; PROBE_BATCH=B sets the batch, default 8; PROBE_TRACE=DIR also traces 16 more steps with
+the JAX profiler and prints each kernel's device time per step, `kvjax.eval._profile`)."""
 
 import dataclasses
 import os
@@ -17,6 +18,7 @@ from kvjax.eval._bench import (
     policy_seconds_per_step,
     second_call_seconds,
 )
+from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS
 
@@ -53,13 +55,23 @@ def main() -> None:
     for spec in sys.argv[2:]:
         name, budget = spec.split(":")
         pol = policy_from_spec(name, int(budget), num_layers=n_layers)
-        cache = new_cache(cfg, pol, batch=8, max_len=32768 + 128, dtype=jnp.bfloat16)
+        batch = int(os.environ.get("PROBE_BATCH", "8"))
+        cache = new_cache(cfg, pol, batch=batch, max_len=32768 + 128, dtype=jnp.bfloat16)
         cache, key = fill_random(pol, cache, 32768, 2048, jax.random.key(0))
-        _, sec = policy_seconds_per_step(pol, 16, cache, key)
+        cache, sec = policy_seconds_per_step(pol, 16, cache, key)
         ms = sec * 1e3
         print(
-            f"{name} budget {budget}: {n_layers} layers, policy alone {ms:.3f} ms/step", flush=True
+            f"{name} budget {budget}: {n_layers} layers, batch {batch}, policy alone "
+            f"{ms:.3f} ms/step",
+            flush=True,
         )
+        if os.environ.get("PROBE_TRACE"):
+            log_dir = os.path.join(os.environ["PROBE_TRACE"], spec.replace(":", "_"))
+            with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+                cache, _ = policy_seconds_per_step(pol, 16, cache, key)
+            # (the traced call runs the loop twice: second_call_seconds' warm-up and its timing)
+            times = device_kernel_times(find_trace(log_dir))
+            print(kernel_table(times, steps=32), flush=True)
 
 
 if __name__ == "__main__":
