@@ -171,38 +171,54 @@ class RankedPolicy(Policy):
         return layer
 
     def write_layers(self, layers, k_new, v_new, pos_new, valid, stats, state):
-        """With write_kernel="pallas", a decode step's slot writes of every layer run as one
-        kernel launch (one per layer otherwise). Policies that override `write` (KVpop) keep
-        one launch per layer."""
-        one_launch = self._pallas_writes() and type(self).write is RankedPolicy.write
-        if not one_launch or k_new[0].shape[1] != 1:
+        """A decode step plans every layer's writes together (`_decode_plans`: one budget-shrink
+        cond for all layers instead of one per layer, each a device-to-host sync on GPU); with
+        write_kernel="pallas" the slot writes of every layer then run as one kernel launch.
+        Policies that override `write` (KVpop) keep the layer-by-layer path."""
+        if type(self).write is not RankedPolicy.write or k_new[0].shape[1] != 1:
             return super().write_layers(layers, k_new, v_new, pos_new, valid, stats, state)
-        plans = [
-            self._decode_plan(layer, k, v, pos_new, valid, st, state, i)
-            for i, (layer, k, v, st) in enumerate(zip(layers, k_new, v_new, stats, strict=True))
-        ]
-        return tuple(scatter_fused(plans))
+        plans = self._decode_plans(layers, k_new, v_new, pos_new, valid, stats, state)
+        if self._pallas_writes():
+            return tuple(scatter_fused(plans))
+        return tuple(writes.apply(layer) for layer, writes in plans)
 
     def _pallas_writes(self) -> bool:
         return resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas"
 
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
-        layer, writes = self._decode_plan(layer, k_new, v_new, pos_new, valid, stats, state, li)
+        ((layer, writes),) = self._decode_plans(
+            [layer], [k_new], [v_new], pos_new, valid, [stats], state, first_layer=li
+        )
         if self._pallas_writes():
             return scatter_fused([(layer, writes)])[0]
         return writes.apply(layer)
 
-    def _decode_plan(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
-        """The layer after score updates and any budget shrink, and its pending slot writes."""
+    def _decode_plans(self, layers, k_new, v_new, pos_new, valid, stats, state, first_layer=0):
+        """Each layer after score updates and any budget shrink, and its pending slot writes
+        (layers[i] is layer first_layer + i)."""
+        cur3 = pos_new[:, 0][:, None, None]
+        b = pos_new.shape[0]
+        lis = range(first_layer, first_layer + len(layers))
+        if not self.frozen_in_decode:
+            scored = zip(layers, stats, lis, strict=True)
+            layers = [self._scored(ly, st, cur3, state, li) for ly, st, li in scored]
+        budgets = [self.ranked_budget(state, li, b)[:, None] for li in lis]  # [B, 1] each
+        layers, region_stats = self._shrink(layers, budgets, cur3, lis)
+        return [
+            self._decode_plan(ly, k, v, pos_new, valid, st, state, li, budget, now)
+            for ly, k, v, st, li, budget, now in zip(
+                layers, k_new, v_new, stats, lis, budgets, region_stats, strict=True
+            )
+        ]
+
+    def _decode_plan(self, layer, k_new, v_new, pos_new, valid, stats, state, li, budget, now):
+        """A layer's pending slot writes, given its ranked region's `slot_stats` after the
+        shrink (`now`) and its ranked budget [B, 1]."""
         b, _, h, _ = k_new.shape
         w = self.ring
         cur = pos_new[:, 0]
         cur3 = cur[:, None, None]
-        if not self.frozen_in_decode:
-            layer = self._scored(layer, stats, cur3, state, li)
-        budget = self.ranked_budget(state, li, b)[:, None]  # [B, 1]
-        layer, stats_now = self._shrink(layer, budget, cur3, li)
-        live, free, lowest_prio, lowest = stats_now
+        live, free, lowest_prio, lowest = now
         new = Tokens(
             k=jnp.swapaxes(k_new, 1, 2),
             v=jnp.swapaxes(v_new, 1, 2),
@@ -226,31 +242,42 @@ class RankedPolicy(Policy):
         slots = jnp.concatenate([ranked_slot, ring_slot], axis=-1)
         return layer, SlotWrites(fp=(slots, leaving.concat(new)))
 
-    def _shrink(self, layer, budget, cur3, li):
-        """Evict the lowest-priority ranked tokens down to `budget` [B, 1] by emptying their
-        slots (pos -1; K/V stay where they are, as holes the next tokens fill). Returns the
-        layer and the ranked region's `slot_stats` after any eviction.
+    def _shrink(self, layers, budgets, cur3, lis):
+        """Evict each layer's lowest-priority ranked tokens down to its budget [B, 1] by
+        emptying their slots (pos -1; K/V stay where they are, as holes the next tokens fill).
+        Returns the layers and their ranked regions' `slot_stats` after any eviction.
 
-        The eviction (a sort) runs under lax.cond only when some head holds more than its
-        budget, and the cond returns only the ranked region's positions and statistics: a cond
-        carrying K/V would make XLA copy the whole tier every step (measured on the H200:
-        ~9 ms/step for confkv at Llama-3-8B shapes, 32K context, batch 8). The statistics the
-        decode step needs come from one fused reduction, recomputed only after an eviction."""
-        ranked = self._ranked(layer)
-        prio = self._prio(ranked, cur3, li)
-        now = slot_stats(ranked.pos, prio)
+        The eviction (a sort) runs under one lax.cond for all layers, only when some head of
+        some layer holds more than its budget (a layer within its budget keeps its positions),
+        and the cond returns only the ranked regions' positions and statistics: a cond carrying
+        K/V would make XLA copy the whole tier every step (measured on the H200: ~9 ms/step for
+        confkv at Llama-3-8B shapes, 32K context, batch 8). The statistics the decode step needs
+        come from one fused reduction per layer, recomputed only after an eviction."""
+        ranked = [self._ranked(ly) for ly in layers]
+        prios = [self._prio(r, cur3, li) for r, li in zip(ranked, lis, strict=True)]
+        now = [slot_stats(r.pos, p) for r, p in zip(ranked, prios, strict=True)]
+        over = [jnp.any(st[0] > budget) for st, budget in zip(now, budgets, strict=True)]
 
         def evict(pos):
-            pos = jnp.where(_keep_top(prio, pos, budget), pos, -1)
-            return pos, slot_stats(pos, prio)
+            out = []
+            for p, prio, budget, need in zip(pos, prios, budgets, over, strict=True):
+                p = jnp.where(need & ~_keep_top(prio, p, budget), -1, p)
+                out.append((p, slot_stats(p, prio)))
+            return out
 
-        pos, now = jax.lax.cond(jnp.any(now[0] > budget), evict, lambda p: (p, now), ranked.pos)
-        if self.int8:
-            return layer.replace(int8=layer.int8.replace(pos=pos)), now
-        layer = layer.replace(
-            pos=jax.lax.dynamic_update_slice_in_dim(layer.pos, pos, self.ring, axis=2)
-        )
-        return layer, now
+        pred = jnp.any(jnp.stack(over))
+        keep = lambda pos: list(zip(pos, now, strict=True))
+        out = jax.lax.cond(pred, evict, keep, [r.pos for r in ranked])
+        new_layers = []
+        for ly, (pos, _) in zip(layers, out, strict=True):
+            if self.int8:
+                ly = ly.replace(int8=ly.int8.replace(pos=pos))
+            else:
+                ly = ly.replace(
+                    pos=jax.lax.dynamic_update_slice_in_dim(ly.pos, pos, self.ring, axis=2)
+                )
+            new_layers.append(ly)
+        return new_layers, [st for _, st in out]
 
     def _set_ranked(self, layer, toks: Tokens):
         if self.int8:

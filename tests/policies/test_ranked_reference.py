@@ -275,3 +275,57 @@ def test_slot_stats_is_the_four_reductions_by_brute_force(m, seed, p_empty, leve
         assert got[1][b, h] == free
         np.testing.assert_array_equal(got[2][b, h], low)
         assert got[3][b, h] == lowest, (pos[b, h], prio[b, h])
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp", "int8"])
+def test_write_layers_plans_all_layers_like_write_per_layer(int8):
+    """`write_layers`' joint decode plan (one budget-shrink cond for all layers) equals `write`
+    layer by layer, array for array, over decode steps whose confidence state flips, with
+    pyramid budgets (so at a flip some layers are over their tight budget and others not)."""
+    n_layers, b, t_steps = 3, 2, 40
+    policy = ConfKVPolicy(
+        budget=14, protected=2, fp_window=3, int8=int8, pyramid=0.5, num_layers=n_layers
+    )
+    spec = CacheSpec(
+        batch=b,
+        num_kv_heads=H,
+        head_dim=D,
+        capacities=policy.capacities(n_layers, 0),
+        int8_capacities=policy.int8_capacities(n_layers, 0),
+    )
+    rng = np.random.default_rng(7)
+    joint = list(init_cache(spec).layers)
+    alone = list(joint)
+
+    def stats_of(lc, t):
+        mass = lambda pos: jnp.where(pos >= 0, jnp.asarray(rng.random(pos.shape), jnp.float32), 0)
+        return AttnStats(
+            slot_mass=mass(lc.pos),
+            new_mass=jnp.asarray(rng.random((b, H, 1)), jnp.float32),
+            lse=jnp.zeros((b, 1, H)),
+            int8_mass=None if lc.int8 is None else mass(lc.int8.pos),
+        )
+
+    per_layer = jax.jit(
+        lambda lcs, k, pos, valid, sts, state: tuple(
+            policy.write(lc, k, -k, pos, valid, st, state, layer_index=i)
+            for i, (lc, st) in enumerate(zip(lcs, sts, strict=True))
+        )
+    )
+    together = jax.jit(
+        lambda lcs, k, pos, valid, sts, state: policy.write_layers(
+            lcs, [k] * n_layers, [-k] * n_layers, pos, valid, sts, state
+        )
+    )
+    for t in range(t_steps):
+        state = jnp.asarray([(t // 7) % 2 == 1, (t // 5) % 2 == 0])  # tight / loose flips
+        sts = [stats_of(lc, t) for lc in joint]
+        k = jnp.asarray(rng.normal(size=(b, 1, H, D)), jnp.float32)
+        pos = jnp.full((b, 1), t, jnp.int32)
+        valid = jnp.asarray([[True], [t % 9 != 4]])
+        joint = together(joint, k, pos, valid, sts, state)
+        alone = per_layer(alone, k, pos, valid, sts, state)
+        for x, y in zip(jax.tree.leaves(joint), jax.tree.leaves(alone), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"step {t}")
+    live = [int(np.sum(np.asarray((lc.int8 if int8 else lc).pos) >= 0)) for lc in joint]
+    assert len(set(live)) > 1  # the pyramid gave the layers different sizes
