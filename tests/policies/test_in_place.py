@@ -55,3 +55,26 @@ def test_cache_sized_shapes_are_the_big_kv_arrays_not_the_ring():
     assert big and small, (big, small)  # this case has both a ring and cache-sized tiers
     assert big == {tuple(x.shape) for x in kv} - small
     assert cache_sized_shapes(cache, config.head_dim, ring=10**6) == set()
+
+
+@pytest.mark.parametrize("model", [False, True], ids=["write", "model-step"])
+def test_kivi_decode_copies_no_residual(model):
+    """KIVI's decode writes its token into the residual in place (a 128-slot residual counts as
+    cache-sized here: the general path rebuilt it, 12 copies a step at 2 layers)."""
+    from kvjax.policies import make_policy
+
+    policy = make_policy("kivi", residual=128, group=32, bits=2, value_group=32)
+    assert cache_copies(policy, ModelConfig(**CONFIG), model=model) == []
+
+
+def test_ranked_decode_step_has_one_budget_cond_for_all_layers():
+    """One lax.cond (a host sync on GPU) per decode step of a 3-layer confkv write, not one per
+    layer, and it still copies no cache-sized array."""
+    from kvjax.eval._bench import hlo_loop_launches
+
+    config = ModelConfig(**CONFIG | dict(num_layers=3))
+    policy = build("confkv-int8", 200)
+    cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
+    text = _policy_only.lower(policy, 3, cache, jax.random.key(0)).compile().as_text()
+    assert hlo_loop_launches(text).get("conditional") == 1
+    assert hlo_copies(text, cache_sized_shapes(cache, config.head_dim)) == []
