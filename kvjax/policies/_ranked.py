@@ -9,8 +9,8 @@ the ranked region a dense prefix ordered by position; a decode eviction empties 
 Two code paths, checked against each other in tests:
 * decode (one token): O(C) scalar work and O(1) slot writes — the leaving ring token replaces the
   lowest-priority ranked token (or fills the first free slot); a budget that shrank is enforced
-  by emptying the lowest-priority slots, under a `lax.cond` that carries only pos/score and runs
-  the sort only on the steps that need it;
+  by emptying the lowest-priority slots, under one `lax.cond` per step for all layers that
+  carries only positions and statistics and runs the sort only on the steps that need it;
 * merge (prefill chunks): all candidates (ring, ranked, new) are ranked and the region rebuilt.
 """
 
