@@ -2,7 +2,7 @@
 of data-dependent control flow inside a jitted loop on this backend. A debugging aid for the
 end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET...
 (POLICY@xla / POLICY@pallas: that write_kernel; PROBE_POLICY_ONLY=1 skips the control-flow
-timings; PROBE_BATCH=B sets the batch, default 8; PROBE_TRACE=DIR also traces 16 more steps with
+timings; PROBE_BATCH=B sets the batch, default 8; PROBE_TRACE=DIR also traces 32 more steps with
 the JAX profiler and prints each kernel's device time per step, `kvjax.eval._profile`)."""
 
 import dataclasses
