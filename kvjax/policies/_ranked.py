@@ -177,21 +177,20 @@ class RankedPolicy(Policy):
         Policies that override `write` (KVpop) keep the layer-by-layer path."""
         if type(self).write is not RankedPolicy.write or k_new[0].shape[1] != 1:
             return super().write_layers(layers, k_new, v_new, pos_new, valid, stats, state)
-        plans = self._decode_plans(layers, k_new, v_new, pos_new, valid, stats, state)
-        if self._pallas_writes():
+        return self._apply(self._decode_plans(layers, k_new, v_new, pos_new, valid, stats, state))
+
+    def _apply(self, plans) -> tuple:
+        """The layers with their planned slot writes done: one kernel launch for all of them
+        (write_kernel "pallas") or XLA scatters per layer."""
+        if resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas":
             return tuple(scatter_fused(plans))
         return tuple(writes.apply(layer) for layer, writes in plans)
 
-    def _pallas_writes(self) -> bool:
-        return resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas"
-
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
-        ((layer, writes),) = self._decode_plans(
+        plans = self._decode_plans(
             [layer], [k_new], [v_new], pos_new, valid, [stats], state, first_layer=li
         )
-        if self._pallas_writes():
-            return scatter_fused([(layer, writes)])[0]
-        return writes.apply(layer)
+        return self._apply(plans)[0]
 
     def _decode_plans(self, layers, k_new, v_new, pos_new, valid, stats, state, first_layer=0):
         """Each layer after score updates and any budget shrink, and its pending slot writes

@@ -55,7 +55,6 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
     return [(i, j, i * sub + j, (i * sub + j) // vg) for i in range(n) for j in range(0, sub, w)]
 
 
-# A code as a float with no int-to-float conversion: the code in the low mantissa bits of a
 def _values(acc, p, corr, vcodes, vs, vz, cdt):
     """acc·corr + p·V of every value chunk: vcodes(c) [T, w] chunk c's codes converted to the
     compute dtype cdt, vs/vz [T] its group's per-token statistics. The scale multiplies p and
