@@ -3,9 +3,9 @@
 A decode step of a ranked policy writes one token into the INT8 tier (codes, scales, position,
 score: six arrays) and one into the full-precision ring (four arrays). As XLA scatters that is
 ten kernels per layer, each moving a few hundred bytes; on the GPU the step is launch-bound
-(docs/benchmarks.md). `write_slots` does all of them in one Pallas (Triton) kernel over the grid
-(B, Hkv) whose outputs alias the arrays, so nothing but the written rows moves. The result equals
-`a.at[b, h, slots].set(rows, mode="drop")` per array (tested against it).
+(docs/benchmarks.md). `write_slots` does all of them in one Pallas (Triton) kernel over the
+grid (B, Hkv, writes) whose outputs alias the arrays, so nothing but the written rows moves. The
+result equals `a.at[b, h, slots].set(rows, mode="drop")` per array (tested against it).
 """
 
 from __future__ import annotations
@@ -62,20 +62,26 @@ def _check(writes: tuple[SlotWrite, ...]) -> None:
 def _kernel(*refs, layout: tuple[tuple[int, int], ...]):
     """refs: per write (slots, arrays..., rows...) inputs, then per write arrays... outputs.
 
-    layout: per write (number of arrays, N)."""
+    layout: per write (number of arrays, N). Program (b, h, w) does write w of head (b, h): the
+    writes of one head run side by side, not one after another in a single program (32 layers
+    of confkv in one program took 69 µs on the H200, docs/benchmarks.md session 8)."""
     n_in = sum(1 + 2 * k for k, _ in layout)
     ins, outs = refs[:n_in], refs[n_in:]
     i = o = 0
-    for k, n in layout:
+    for w, (k, n) in enumerate(layout):
         slots_ref, row_refs = ins[i], ins[i + 1 + k : i + 1 + 2 * k]
-        for out_ref, row_ref in zip(outs[o : o + k], row_refs, strict=True):
-            cap = out_ref.shape[0]
-            for r in range(n):  # N is small and static
-                slot = slots_ref[r]
-                ok = (slot >= 0) & (slot < cap)
-                at = pl.ds(jnp.clip(slot, 0, cap - 1), 1)
-                val = row_ref[pl.ds(r, 1)].astype(out_ref.dtype)
-                plgpu.store(out_ref.at[at], val, mask=jnp.broadcast_to(ok, val.shape))
+
+        @pl.when(pl.program_id(2) == w)
+        def _(slots_ref=slots_ref, row_refs=row_refs, out_refs=outs[o : o + k], n=n):
+            for out_ref, row_ref in zip(out_refs, row_refs, strict=True):
+                cap = out_ref.shape[0]
+                for r in range(n):  # N is small and static
+                    slot = slots_ref[r]
+                    ok = (slot >= 0) & (slot < cap)
+                    at = pl.ds(jnp.clip(slot, 0, cap - 1), 1)
+                    val = row_ref[pl.ds(r, 1)].astype(out_ref.dtype)
+                    plgpu.store(out_ref.at[at], val, mask=jnp.broadcast_to(ok, val.shape))
+
         i += 1 + 2 * k
         o += k
 
@@ -83,7 +89,7 @@ def _kernel(*refs, layout: tuple[tuple[int, int], ...]):
 def _head(a: Array) -> pl.BlockSpec:
     """One (sequence, KV head)'s whole slice of a [B, H, ...] array."""
     tail = a.shape[2:]
-    return pl.BlockSpec((None, None, *tail), lambda b, h: (b, h) + (0,) * len(tail))
+    return pl.BlockSpec((None, None, *tail), lambda b, h, w: (b, h) + (0,) * len(tail))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -112,7 +118,7 @@ def write_slots(*writes: SlotWrite, interpret: bool = False) -> tuple[tuple[Arra
         layout.append((len(w.arrays), w.slots.shape[2]))
     outs = pl.pallas_call(
         functools.partial(_kernel, layout=tuple(layout)),
-        grid=(b, h),
+        grid=(b, h, len(writes)),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

@@ -88,6 +88,12 @@ case "${1:-foundation}" in
     (cd /tmp && PROBE_POLICY_ONLY=1 PROBE_TRACE="$OUT/trace" python3 \
       "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/trace_policy.txt"
     tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace" ;;
+  trace-kernel)  # each kernel's device time per call of one bench-kernel row (and XLA's ops
+    # around it), from a JAX profiler trace: trace-kernel ROW [BATCH CONTEXT] [KNOB=V ...]
+    shift
+    (cd /tmp && TRACE="$OUT/ktrace" python3 "$OLDPWD/scripts/profile_kernel.py" "$@") \
+      | tee -a "$OUT/trace_kernel.txt"
+    rm -rf "$OUT/ktrace" ;;
   ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
     shift
     (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \

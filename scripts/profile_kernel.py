@@ -2,14 +2,19 @@
 
 Usage: python scripts/profile_kernel.py ROW [BATCH CONTEXT] [KNOB=V ...]
 e.g. ncu --clock-control none -k regex:kvjax_decode python scripts/profile_kernel.py pallas-int8
+With TRACE=DIR it also traces `bench kernel`'s timed loop (16 calls in one jitted fori_loop)
+with the JAX profiler and prints every kernel's device time per call (the kernel and what XLA
+runs around it: padding, the split combine), `kvjax.eval._profile`.
 """
 
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.eval._bench_kernel import ROWS, _cases
+from kvjax.eval._bench_kernel import ROWS, _cases, _timed
+from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table
 
 args = sys.argv[1:]
 if not args or args[0] not in ROWS or args[0] == "copy":
@@ -27,3 +32,10 @@ for _ in range(3):
     q = f(q).astype(q.dtype)
 jax.block_until_ready(q)
 print(f"{row} B={batch} S={context} {knobs}: ran 3 calls, {nbytes / 1e9:.3f} GB read each")
+if os.environ.get("TRACE"):
+    calls = 16
+    with jax.profiler.trace(os.environ["TRACE"], create_perfetto_trace=True):
+        sec = _timed(lambda q: fn(q, knobs), q, iters=calls, repeats=1)
+    # (_timed runs its loop twice: a warm-up and the timed call)
+    print(f"{sec * 1e6:.1f} us per call under the profiler")
+    print(kernel_table(device_kernel_times(find_trace(os.environ["TRACE"])), steps=2 * calls))

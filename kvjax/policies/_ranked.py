@@ -260,15 +260,18 @@ class RankedPolicy(Policy):
         def evict(pos):
             out = []
             for p, prio, budget, need in zip(pos, prios, budgets, over, strict=True):
-                p = jnp.where(need & ~_keep_top(prio, p, budget), -1, p)
-                out.append((p, slot_stats(p, prio)))
-            return out
+                out.append(jnp.where(need & ~_keep_top(prio, p, budget), -1, p))
+            return out, _stack_stats([slot_stats(p, pr) for p, pr in zip(out, prios, strict=True)])
 
+        # The statistics cross the cond stacked in two arrays: a branch that passes its operand
+        # through costs a device copy per array (the H200 trace: 4 per layer, ~1.5 µs each,
+        # plus the host time to launch them after the cond's sync).
         pred = jnp.any(jnp.stack(over))
-        keep = lambda pos: list(zip(pos, now, strict=True))
-        out = jax.lax.cond(pred, evict, keep, [r.pos for r in ranked])
+        keep = lambda pos: (pos, _stack_stats(now))
+        pos_out, stacked = jax.lax.cond(pred, evict, keep, [r.pos for r in ranked])
+        stats_out = _unstack_stats(stacked)
         new_layers = []
-        for ly, (pos, _) in zip(layers, out, strict=True):
+        for ly, pos in zip(layers, pos_out, strict=True):
             if self.int8:
                 ly = ly.replace(int8=ly.int8.replace(pos=pos))
             else:
@@ -276,7 +279,7 @@ class RankedPolicy(Policy):
                     pos=jax.lax.dynamic_update_slice_in_dim(ly.pos, pos, self.ring, axis=2)
                 )
             new_layers.append(ly)
-        return new_layers, [st for _, st in out]
+        return new_layers, stats_out
 
     def _set_ranked(self, layer, toks: Tokens):
         if self.int8:
@@ -317,13 +320,19 @@ class RankedPolicy(Policy):
         return scatter_fp(layer, slot, new)
 
 
-def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
+def slot_stats(pos: Array, prio: Array, *, min_row: int = 512) -> tuple[Array, Array, Array, Array]:
     """What a decode step needs of a ranked region [B, H, M], in one variadic reduction (one
     kernel on GPU instead of four row reductions, which at decode sizes cost latency, not
     bytes): (live, free, lowest_prio, lowest), each [B, H] — the occupied slots (pos >= 0), the
     first empty slot (0 if none, as jnp.argmax), the lowest priority among occupied slots (+inf
     if none) and its slot (the first on ties, a NaN before any number, 0 if none: as
-    jnp.argmin of the occupied priorities with +inf on empty slots)."""
+    jnp.argmin of the occupied priorities with +inf on empty slots).
+
+    A long region reduces in two stages: each row is cut into k pieces of at least `min_row`
+    slots (k the largest such divisor of M, at most 64) and the k partial results are then
+    combined, so the first stage has k times as many rows to spread over the chip (B·H rows of
+    12650 slots left the H200 mostly idle, docs/benchmarks.md session 8). The combine is
+    associative with ties broken by slot, so the result is the same."""
     m = pos.shape[-1]
     idx = jax.lax.broadcasted_iota(jnp.int32, pos.shape, pos.ndim - 1)
     occupied = pos >= 0
@@ -347,8 +356,29 @@ def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
         )
 
     init = (jnp.int32(0), jnp.int32(m), jnp.float32(_INF), jnp.int32(m))
+    k = _pieces(m, min_row)
+    if k > 1:  # [..., M] → [..., k, M/k] is free (a bitcast); the first stage leaves [..., k]
+        operands = tuple(x.reshape(*x.shape[:-1], k, m // k) for x in operands)
+        operands = jax.lax.reduce(operands, init, combine, (pos.ndim,))
     live, free, low, lowest = jax.lax.reduce(operands, init, combine, (pos.ndim - 1,))
     return live, jnp.where(free == m, 0, free), low, lowest
+
+
+def _pieces(m: int, min_row: int, most: int = 64) -> int:
+    """The largest k <= most dividing m with m / k >= min_row (1 if none)."""
+    return max(k for k in range(1, most + 1) if m % k == 0 and (k == 1 or m // k >= min_row))
+
+
+def _stack_stats(stats: list[tuple[Array, Array, Array, Array]]) -> tuple[Array, Array]:
+    """Layers' `slot_stats` as two arrays: ints [L, 3, B, H] (live, free, lowest) and the
+    lowest priorities [L, B, H] (layers' B and H agree; their region sizes may differ)."""
+    ints = jnp.stack([jnp.stack([live, free, lowest]) for live, free, _, lowest in stats])
+    return ints, jnp.stack([low for _, _, low, _ in stats])
+
+
+def _unstack_stats(stacked: tuple[Array, Array]) -> list[tuple[Array, Array, Array, Array]]:
+    ints, lows = stacked
+    return [(i[0], i[1], low, i[2]) for i, low in zip(ints, lows, strict=True)]
 
 
 def _keep_top(prio: Array, pos: Array, budget: Array) -> Array:

@@ -3,6 +3,8 @@ copy of a cache-sized array. (On the H200 a lax.cond that carried confkv's INT8 
 copy it every step: ~9 ms/step at Llama-3-8B shapes. XLA's CPU compiler inserts the same
 copies, so the check runs here; the GPU check is `scripts/find_cache_copies.py`.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -78,3 +80,10 @@ def test_ranked_decode_step_has_one_budget_cond_for_all_layers():
     text = _policy_only.lower(policy, 3, cache, jax.random.key(0)).compile().as_text()
     assert hlo_loop_launches(text).get("conditional") == 1
     assert hlo_copies(text, cache_sized_shapes(cache, config.head_dim)) == []
+    # Its result: each layer's ranked positions and the statistics of all layers stacked in
+    # two arrays (a branch passing an array through copies it: 4 statistics per layer cost 4
+    # device copies per layer on the H200).
+    [result] = re.findall(r"= \(([^=]*)\) conditional\(", text)
+    shapes = re.findall(r"\w+\[[0-9,]*\]", result)
+    assert len(shapes) == 3 + 2, shapes
+    assert {"s32[3,3,2,2]", "f32[3,2,2]"} <= set(shapes), shapes  # [L, 3, B, H], [L, B, H]
