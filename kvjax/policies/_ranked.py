@@ -320,19 +320,13 @@ class RankedPolicy(Policy):
         return scatter_fp(layer, slot, new)
 
 
-def slot_stats(pos: Array, prio: Array, *, min_row: int = 512) -> tuple[Array, Array, Array, Array]:
+def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
     """What a decode step needs of a ranked region [B, H, M], in one variadic reduction (one
     kernel on GPU instead of four row reductions, which at decode sizes cost latency, not
     bytes): (live, free, lowest_prio, lowest), each [B, H] — the occupied slots (pos >= 0), the
     first empty slot (0 if none, as jnp.argmax), the lowest priority among occupied slots (+inf
     if none) and its slot (the first on ties, a NaN before any number, 0 if none: as
-    jnp.argmin of the occupied priorities with +inf on empty slots).
-
-    A long region reduces in two stages: each row is cut into k pieces of at least `min_row`
-    slots (k the largest such divisor of M, at most 64) and the k partial results are then
-    combined, so the first stage has k times as many rows to spread over the chip (B·H rows of
-    12650 slots left the H200 mostly idle, docs/benchmarks.md session 8). The combine is
-    associative with ties broken by slot, so the result is the same."""
+    jnp.argmin of the occupied priorities with +inf on empty slots)."""
     m = pos.shape[-1]
     idx = jax.lax.broadcasted_iota(jnp.int32, pos.shape, pos.ndim - 1)
     occupied = pos >= 0
@@ -356,17 +350,8 @@ def slot_stats(pos: Array, prio: Array, *, min_row: int = 512) -> tuple[Array, A
         )
 
     init = (jnp.int32(0), jnp.int32(m), jnp.float32(_INF), jnp.int32(m))
-    k = _pieces(m, min_row)
-    if k > 1:  # [..., M] → [..., k, M/k] is free (a bitcast); the first stage leaves [..., k]
-        operands = tuple(x.reshape(*x.shape[:-1], k, m // k) for x in operands)
-        operands = jax.lax.reduce(operands, init, combine, (pos.ndim,))
     live, free, low, lowest = jax.lax.reduce(operands, init, combine, (pos.ndim - 1,))
     return live, jnp.where(free == m, 0, free), low, lowest
-
-
-def _pieces(m: int, min_row: int, most: int = 64) -> int:
-    """The largest k <= most dividing m with m / k >= min_row (1 if none)."""
-    return max(k for k in range(1, most + 1) if m % k == 0 and (k == 1 or m // k >= min_row))
 
 
 def _stack_stats(stats: list[tuple[Array, Array, Array, Array]]) -> tuple[Array, Array]:
