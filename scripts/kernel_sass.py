@@ -3,7 +3,8 @@ instructions per token (a kernel-development aid: compare variants before spendi
 
 Usage: python scripts/kernel_sass.py ROW [KNOB=V ...]
   ROW: pallas-bf16, pallas-int8, pallas-int4 or pallas-int2 (B=8, S=32768, Hq 32, Hkv 8,
-  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages
+  D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages,
+  asm_unpack
   (default: the H200 tuning).
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
@@ -58,6 +59,7 @@ full, int8, lowbit = abstract_tiers(B, HKV, D, S, S, S // PAGE, PAGE, VG, bits o
 kw = dict(scale=D**-0.5, num_warps=knobs.pop("num_warps", tune.num_warps))
 if bits in (2, 4):
     stack = bool(knobs.pop("stack_pages", tune.lowbit_stack_pages))
+    kw["asm_unpack"] = bool(knobs.pop("asm_unpack", tune.lowbit_asm_unpack))
     block = knobs.pop("block_k", stacked_block_k(PAGE, G) if stack else tune.lowbit_block_k)
     stages = knobs.pop("num_stages", tune.lowbit_num_stages)
     kw |= dict(bits=bits, stack_pages=stack, num_stages=stages)
@@ -86,7 +88,7 @@ if out.returncode:
 sass = out.stdout
 res = [line.strip() for line in sass.splitlines() if "REG:" in line]
 stats = sass_loop_stats(sass, block)
-top = {k: round(v, 2) for k, v in list(stats["ops"].items())[:16]}
+top = {k: round(v, 2) for k, v in list(stats["ops"].items())[:40]}
 report = dict(
     row=row,
     knobs=kw | {"block_k": block},

@@ -3,7 +3,8 @@ of data-dependent control flow inside a jitted loop on this backend. A debugging
 end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET...
 (POLICY@xla / POLICY@pallas: that write_kernel; PROBE_POLICY_ONLY=1 skips the control-flow
 timings; PROBE_BATCH=B sets the batch, default 8; PROBE_TRACE=DIR also traces 32 more steps with
-the JAX profiler and prints each kernel's device time per step, `kvjax.eval._profile`)."""
+the JAX profiler and prints each kernel's device time per step and one step's timeline,
+`kvjax.eval._profile`; the timeline's marker is the one-launch slot write, write_kernel pallas)."""
 
 import dataclasses
 import os
@@ -18,7 +19,7 @@ from kvjax.eval._bench import (
     policy_seconds_per_step,
     second_call_seconds,
 )
-from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table
+from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table, step_timeline
 from kvjax.generate import new_cache
 from kvjax.models import PRESETS
 
@@ -72,6 +73,8 @@ def main() -> None:
             # (the traced call runs the loop twice: second_call_seconds' warm-up and its timing)
             times = device_kernel_times(find_trace(log_dir))
             print(kernel_table(times, steps=32), flush=True)
+            # one step in time order: where the device idles (launch gaps, the cond's sync)
+            print(step_timeline(find_trace(log_dir), "kvjax_slot_write"), flush=True)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,67 @@ def chunks(d: int, bits: int, num_groups: int) -> list[tuple[int, int, int, int]
     return [(i, j, i * sub + j, (i * sub + j) // vg) for i in range(n) for j in range(0, sub, w)]
 
 
+# Magic-number conversion: a code c OR-ed into the mantissa of MAGIC (the float whose ulp is 1)
+# gives MAGIC + c exactly; one packed FMA then subtracts MAGIC from two values at once.
+# (magic bits, 1.0, -magic) as 16-bit patterns, and the PTX packed type, per compute dtype.
+_MAGIC = {
+    jnp.dtype(jnp.bfloat16): (0x4300, 0x3F80, 0xC300, "bf16x2"),
+    jnp.dtype(jnp.float16): (0x6400, 0x3C00, 0xE400, "f16x2"),
+}
+
+
+def unpack_asm(bits: int, i: int, cdt) -> str:
+    """PTX turning one 32-bit register of 4 packed bytes ($2) into sub-block i's 4 codes as two
+    cdt pairs ($0: codes of bytes 0, 1; $1: of bytes 2, 3).
+
+    Two PRMTs spread the bytes to the low bytes of the 16-bit halves; then per output register a
+    shift (sub-blocks after the first), one LOP3 ((x & mask) | magic) and one packed FMA
+    (-magic): 6–8 instructions for 4 codes, where the jnp conversion spends a shift, a mask, an
+    I2F and a pack per code. (One call per sub-block: JAX 0.11's lowering of this primitive
+    returns one result only.)"""
+    magic, one, neg, ty = _MAGIC[jnp.dtype(cdt)]
+    pair = lambda x: f"0x{x:04X}{x:04X}"
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, one, neg, zero;",
+        f"mov.b32 one, {pair(one)};",
+        f"mov.b32 neg, {pair(neg)};",
+        "mov.b32 zero, 0;",
+        "prmt.b32 t0, $2, zero, 0x4140;",  # bytes 0, 1 → low bytes of the two halves
+        "prmt.b32 t1, $2, zero, 0x4342;",  # bytes 2, 3
+    ]
+    if i:
+        lines += [f"shr.b32 t0, t0, {i * bits};", f"shr.b32 t1, t1, {i * bits};"]
+    for r, src in ((0, "t0"), (1, "t1")):  # LUT 0xEA = (a & b) | c
+        lines.append(f"lop3.b32 ${r}, {src}, {pair((1 << bits) - 1)}, {pair(magic)}, 0xEA;")
+        lines.append(f"fma.rn.{ty} ${r}, ${r}, one, neg;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def unpack_tiles(packed: Array, bits: int, cdt, asm: bool) -> list[Array]:
+    """Every sub-block's codes of a packed uint8 tile [T, W] as cdt tiles [T, W] (sub-block i:
+    (byte >> i·bits) & mask). asm: with `unpack_asm` (compiled GPU kernels only; needs W % 4 == 0,
+    bits 2 or 4 and a bfloat16/float16 cdt), else with jnp shifts and a conversion."""
+    n, mask = 8 // bits, (1 << bits) - 1
+    if not asm:
+        return [((packed >> (i * bits)) & mask).astype(cdt) for i in range(n)]
+    out = jax.ShapeDtypeStruct(packed.shape, cdt)
+    return [
+        plgpu.elementwise_inline_asm(
+            unpack_asm(bits, i, cdt), args=[packed], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[out],
+        )[0]
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def asm_unpack_applies(bits: int, cdt, widths) -> bool:
+    """Whether `unpack_asm` can convert these codes: 2/4-bit codes into bfloat16/float16 tiles
+    whose widths (packed bytes) are multiples of 4."""
+    return bits in (2, 4) and jnp.dtype(cdt) in _MAGIC and all(w % 4 == 0 for w in widths)
+
+
 def _values(acc, p, corr, vcodes, vs, vz, cdt):
     """acc·corr + p·V of every value chunk: vcodes(c) [T, w] chunk c's codes converted to the
     compute dtype cdt, vs/vz [T] its group's per-token statistics. The scale multiplies p and
@@ -186,6 +247,7 @@ def _kernel_stacked(
     block_k: int,
     num_splits: int,
     return_logits: bool,
+    asm_unpack: bool = False,
 ):
     """The low-bit kernel with a step's pages stacked on the query rows.
 
@@ -201,7 +263,6 @@ def _kernel_stacked(
     npg = block_k // page  # pages per loop step
     rp, d = q_ref.shape
     ng = vs_ref.shape[-1]
-    mask = (1 << bits) - 1
     n = 8 // bits
     sub = d // n  # channels per sub-block (= packed bytes per token)
     parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
@@ -217,9 +278,6 @@ def _kernel_stacked(
     grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
     col_page = lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page  # page of every column
     sub_cols = lax.broadcasted_iota(jnp.int32, (sub,), 0)
-
-    def codes(packed: Array, i: int) -> Array:
-        return (packed >> (i * bits)) & mask
 
     def step(it, carry):
         acc, m, l = carry
@@ -242,10 +300,11 @@ def _kernel_stacked(
         vz = [plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps]
         s = jnp.zeros((rp, block_k), jnp.float32)
         zq = jnp.zeros((rp,), jnp.float32)
+        ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [block_k, sub] per sub-block
         for i in range(n):
             qs = (qk[i] * ks[i]).astype(cdt)  # each row's page key scales on q
             zq = zq + jnp.sum(qk[i] * kz[i], axis=1)  # and its zeros: q·zero
-            s = s + dot_f32(qs, codes(kp, i).astype(cdt), trans_b=True)
+            s = s + dot_f32(qs, ktiles[i], trans_b=True)
         s = (s + zq[:, None]) * scale
         own = col_page[None, :] == row_page[:, None]  # a row attends its own page only
         s = jnp.where(own & ((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
@@ -256,9 +315,11 @@ def _kernel_stacked(
         p = jnp.exp(s - m_new[:, None])  # [Rp, T]
         l = l * corr + jnp.sum(p, axis=1)
 
+        vtiles = {j: unpack_tiles(vp[j], bits, cdt, asm_unpack) for j in js}
+
         def vcodes(c):
             i, j, _, _ = parts[c]
-            return codes(vp[j], i).astype(cdt)
+            return vtiles[j][i]
 
         return _values(acc, p, corr, vcodes, vs, vz, cdt), m_new, l
 
@@ -276,6 +337,7 @@ def _kernel_stacked(
         "num_stages",
         "return_logits",
         "stack_pages",
+        "asm_unpack",
         "interpret",
     ),
 )
@@ -292,6 +354,7 @@ def decode_attention_lowbit_triton(
     num_stages: int | None = None,
     return_logits: bool = False,
     stack_pages: bool | None = None,
+    asm_unpack: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -314,6 +377,9 @@ def decode_attention_lowbit_triton(
             statistics folded into q) instead of dequantizing keys in registers; default from
             the device's Tuning. Its default block_k is the most pages (≤ 2) whose G rows each
             fit the 16-row tile.
+        asm_unpack: the stacked kernel converts codes with inline PTX (`unpack_asm`) instead of
+            jnp shifts and conversions; default from the device's Tuning. Ignored where it does
+            not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -339,7 +405,11 @@ def decode_attention_lowbit_triton(
     if stack:  # the G rows once per page of a step
         qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
-        kernel = functools.partial(_kernel_stacked, page=tp, group=group)
+        sub = d * bits // 8
+        widths = [sub] + [min(sub, d // tier.v_scale.shape[-1])]
+        asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
+        asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
+        kernel = functools.partial(_kernel_stacked, page=tp, group=group, asm_unpack=asm)
     else:
         qp = pad_group(q)
         codes = (tier.k, tier.v)

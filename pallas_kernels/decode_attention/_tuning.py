@@ -22,6 +22,8 @@ class Tuning:
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
             (statistics folded into q) instead of dequantizing keys in registers.
+        lowbit_asm_unpack: the stacked low-bit kernel converts 2/4-bit codes to bfloat16/float16
+            with inline PTX (a LOP3 and a packed FMA per 2 codes) instead of jnp conversions.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         int8_v_words: the INT8 kernel reads value codes as int32 words of 4 channels.
@@ -34,6 +36,7 @@ class Tuning:
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
     lowbit_stack_pages: bool = False
+    lowbit_asm_unpack: bool = False
     int8_qk: bool = False
     int8_v_words: bool = False
     num_warps: int = 4

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table
+from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table, step_timeline
 
 
 def _write(path, events):
@@ -48,3 +48,23 @@ def test_a_real_trace_parses(tmp_path):
         f(jnp.ones(64)).block_until_ready()
     times = device_kernel_times(find_trace(str(tmp_path)), device="/host:CPU")
     assert times and all(us >= 0 and n >= 1 for us, n in times.values())
+
+
+def test_step_timeline_merges_runs_and_shows_idle_gaps(tmp_path):
+    meta = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
+    x = lambda ts, dur, name: {"ph": "X", "pid": 7, "tid": 1, "ts": ts, "dur": dur, "name": name}
+    # two steps, each: 2 copies, a 50 us idle gap (a sync), a reduce, then the write (marker)
+    events = [meta]
+    for t in (0.0, 1000.0):
+        events += [x(t, 1, "copy"), x(t + 1, 1, "copy"), x(t + 52, 10, "reduce")]
+        events += [x(t + 62, 5, "write")]
+    path = tmp_path / "perfetto_trace.json.gz"
+    _write(path, events)
+    lines = step_timeline(str(path), "write").splitlines()
+    # the step runs from the first copy after the first write to the second write's end
+    assert lines[0] == "step: 67.0 us, 17.0 us busy, 4 launches"
+    assert [ln.split()[-1] for ln in lines[1:]] == ["copy", "reduce", "write"]
+    assert "2 x      2.0 us" in lines[1]
+    assert "idle   50.0" in lines[2] and "idle    0.0" in lines[3]
+    with pytest.raises(ValueError, match="'nope' ran 0 times"):
+        step_timeline(str(path), "nope")
