@@ -405,8 +405,8 @@ def decode_attention_lowbit_triton(
     if stack:  # the G rows once per page of a step
         qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
-        sub = d * bits // 8
-        widths = [sub] + [min(sub, d // tier.v_scale.shape[-1])]
+        sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
+        widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
         asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
         asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
         kernel = functools.partial(_kernel_stacked, page=tp, group=group, asm_unpack=asm)
