@@ -61,6 +61,7 @@ _ROW_KNOBS = {
     "int8_qk": (_int8_row, "INT8"),
     "v_words": (_int8_row, "INT8"),
     "stack_pages": (_lowbit_row, "low-bit"),
+    "asm_unpack": (_lowbit_row, "low-bit"),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)

@@ -42,7 +42,8 @@ case "${1:-foundation}" in
         --maxfail=5 -p no:cacheprovider -p no:benchmark -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
         --continue-on-collection-errors -W ignore::pytest.PytestConfigWarning \
         "$OLDPWD/tests/pallas_kernels/test_decode_attention.py" \
-        "$OLDPWD/tests/pallas_kernels/test_slot_write.py" -k "not Interpret" \
+        "$OLDPWD/tests/pallas_kernels/test_slot_write.py" \
+        "$OLDPWD/tests/pallas_kernels/test_lowbit_unpack.py" -k "not Interpret" \
         >"$OUT/kernel_tests.txt" 2>&1) || true
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/kernel_tests.txt" | tail -20 || true
     fi

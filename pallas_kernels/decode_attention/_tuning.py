@@ -54,6 +54,7 @@ _HOPPER = Tuning(
     int8_qk=True,
     int8_v_words=True,
     lowbit_stack_pages=True,
+    lowbit_asm_unpack=True,
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,
