@@ -95,6 +95,12 @@ case "${1:-foundation}" in
     (cd /tmp && TRACE="$OUT/ktrace" python3 "$OLDPWD/scripts/profile_kernel.py" "$@") \
       | tee -a "$OUT/trace_kernel.txt"
     rm -rf "$OUT/ktrace" ;;
+  trace-decode)  # every kernel's device time per step of the whole decode loop (model, attention,
+    # policy): trace-decode LAYERS POL:BUDGET [BATCH] [TUNING_FIELD=V ...]
+    shift
+    (cd /tmp && TRACE=/tmp/dtrace python3 "$OLDPWD/scripts/profile_decode.py" "$@") \
+      | tee -a "$OUT/trace_decode.txt"
+    rm -rf /tmp/dtrace ;;
   ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
     shift
     (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \

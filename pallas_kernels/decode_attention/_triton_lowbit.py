@@ -375,8 +375,8 @@ def decode_attention_lowbit_triton(
         return_logits: also return the scaled logits of every read slot.
         stack_pages: run `_kernel_stacked` (a step's pages on the padded query rows, page
             statistics folded into q) instead of dequantizing keys in registers; default from
-            the device's Tuning. Its default block_k is the most pages (≤ 2) whose G rows each
-            fit the 16-row tile.
+            the device's Tuning when no logits are returned, else off. Its default block_k is
+            the most pages (≤ 2) whose G rows each fit the 16-row tile.
         asm_unpack: the stacked kernel converts codes with inline PTX (`unpack_asm`) instead of
             jnp shifts and conversions; default from the device's Tuning. Ignored where it does
             not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
@@ -392,7 +392,10 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
-    stack = tune.lowbit_stack_pages if stack_pages is None else bool(stack_pages)
+    # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
+    # then gathered: with logits it ran 2.5x slower inside a decode step (session 9 trace).
+    default_stack = tune.lowbit_stack_pages and not return_logits
+    stack = default_stack if stack_pages is None else bool(stack_pages)
     if stack and block_k is None:
         block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)

@@ -21,7 +21,8 @@ class Tuning:
         lowbit_block_k: tokens per loop step of the low-bit kernel (a power of 2).
         lowbit_num_stages: Triton pipelining depth of the low-bit kernel.
         lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
-            (statistics folded into q) instead of dequantizing keys in registers.
+            (statistics folded into q) instead of dequantizing keys in registers, when it
+            returns no logits (with logits the unstacked kernel is faster: docs/decisions.md).
         lowbit_asm_unpack: the stacked low-bit kernel converts 2/4-bit codes to bfloat16/float16
             with inline PTX (a LOP3 and a packed FMA per 2 codes) instead of jnp conversions.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an

@@ -226,6 +226,32 @@ def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
     )
 
 
+@pytest.mark.parametrize("logits", [False, True])
+def test_lowbit_default_stacks_pages_only_without_logits(monkeypatch, logits):
+    """With a Tuning that stacks pages (the H200's), the default kernel is the stacked one when
+    no logits are returned and the unstacked one when they are (its logits cost 2.5x inside a
+    decode step, docs/decisions.md); an explicit stack_pages still wins."""
+    import dataclasses
+
+    from kvjax.pallas_kernels.decode_attention import _triton_lowbit
+
+    tune = dataclasses.replace(_triton_lowbit.tuning_for(), lowbit_stack_pages=True)
+    monkeypatch.setattr(_triton_lowbit, "tuning_for", lambda: tune)
+    traced = []
+    for name in ("_kernel", "_kernel_stacked"):
+        real = getattr(_triton_lowbit, name)
+        spy = lambda *a, real=real, name=name, **k: (traced.append(name), real(*a, **k))[1]
+        monkeypatch.setattr(_triton_lowbit, name, spy)
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=64)
+    q, q_pos, _, _, lowbit = make_tiers(case, _seed("default_stack", logits))
+    kw = dict(bits=4, scale=0.125, num_splits=2, return_logits=logits, interpret=True)
+    jax.jit(lambda q: _triton_lowbit.decode_attention_lowbit_triton(q, lowbit, q_pos, **kw))(q)
+    assert set(traced) == {"_kernel" if logits else "_kernel_stacked"}
+    traced.clear()
+    _triton_lowbit.decode_attention_lowbit_triton(q, lowbit, q_pos, stack_pages=True, **kw)
+    assert set(traced) == {"_kernel_stacked"}
+
+
 def _bad_inputs():
     """(name, kwargs of decode_attention with one thing wrong, message) from a good fp+int4 case."""
     case = Case(dtype="bfloat16", tiers="fp+int4", ratio=2, head_dim=64)
