@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ class DecodeBench:
     achieved_gbps: float  # (weights + live KV) bytes read per step / time per step
     policy_ms_per_step: float  # the policy's cache update alone (write of one token, all layers)
     peak_device_bytes: int | None  # the device allocator's peak so far (None where unreported)
+    fill_s: float  # wall time of the synthetic fill (its compile included)
+    first_call_s: float  # wall time of the first decode loop call (compile + `steps` steps)
 
 
 def _random_stats(layer, key: jax.Array, b: int, t: int) -> AttnStats:
@@ -138,21 +141,34 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
     return jax.lax.fori_loop(0, steps, body, cache)
 
 
+def call_seconds(call: Callable[[Any], Any], state: Any, calls: int = 2) -> tuple[Any, list[float]]:
+    """state = call(state) `calls` times; (state, wall seconds of each call, to its result)."""
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        state = call(state)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    return state, times
+
+
 def second_call_seconds(call: Callable[[Any], Any], state: Any) -> tuple[Any, float]:
     """state = call(state) twice (the first compiles), timing the second; (state, seconds)."""
-    state = call(state)
-    jax.block_until_ready(state)
-    t = time.perf_counter()
-    state = call(state)
-    jax.block_until_ready(state)
-    return state, time.perf_counter() - t
+    state, times = call_seconds(call, state)
+    return state, times[1]
 
 
 def fill_random(
-    policy: Policy, cache: Cache, tokens: int, chunk: int, key: jax.Array
+    policy: Policy, cache: Cache, tokens: int, chunk: int, key: jax.Array, progress: bool = False
 ) -> tuple[Cache, jax.Array]:
-    """Write `tokens` random tokens per sequence through the policy, `chunk` per call."""
-    for _ in range(tokens // chunk):
+    """Write `tokens` random tokens per sequence through the policy, `chunk` per call (progress:
+    a bar of the calls on stderr)."""
+    calls = range(tokens // chunk)
+    if progress:
+        from tqdm.auto import tqdm
+
+        calls = tqdm(calls, desc=f"fill [{policy.name}]", unit="chunk", leave=False)
+    for _ in calls:
         key, sub = jax.random.split(key)
         cache = _fill(policy, chunk, cache, sub)
     return cache, key
@@ -300,20 +316,31 @@ def bench_decode(
     implementation: str = "xla",
     fill_chunk: int = 512,
     copy_bytes: int = 1 << 28,
+    progress: bool = False,
 ) -> DecodeBench:
-    """Time `steps` decode steps after filling the cache to `context` tokens."""
+    """Time `steps` decode steps after filling the cache to `context` tokens (progress: a bar
+    of the fill and a line per phase on stderr)."""
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     cache = new_cache(config, policy, batch=batch, max_len=context + 4 * steps + 1, dtype=dtype)
+    say = lambda msg: print(f"  [{policy.name}] {msg}", file=sys.stderr, flush=True)
     key = jax.random.key(0)
-    cache, key = fill_random(policy, cache, context, fill_chunk, key)
+    t = time.perf_counter()
+    cache, key = fill_random(policy, cache, context, fill_chunk, key, progress=progress)
+    jax.block_until_ready(cache)
+    fill_s = time.perf_counter() - t
+    if progress:
+        say(f"filled {context} tokens in {fill_s:.1f} s; compiling the decode loop")
     kv_live = int(live_bytes(cache).sum())
     kv_phys = physical_bytes(cache)
     tok = jnp.zeros((batch,), jnp.int32)
     step = lambda s: _decode(config, policy, steps, implementation, params, *s)
-    (cache, tok), sec = second_call_seconds(step, (cache, tok))
+    (cache, tok), (first_s, sec) = call_seconds(step, (cache, tok))
     sec /= steps
+    if progress:
+        say(f"decode loop: first call {first_s:.1f} s, then {sec * 1e3:.2f} ms/step")
+        say("timing the policy's own write alone")
     peak = peak_device_bytes()  # before the policy-only loop: the model's decode peak
     cache, policy_sec = policy_seconds_per_step(policy, steps, cache, key)
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
@@ -337,4 +364,6 @@ def bench_decode(
         achieved_gbps=(w_bytes + kv_live) / sec / 1e9,
         policy_ms_per_step=policy_sec * 1e3,
         peak_device_bytes=peak,
+        fill_s=fill_s,
+        first_call_s=first_s,
     )

@@ -37,6 +37,20 @@ def test_bench_decode_byte_accounting(tiny_llama, name, budget):
     assert r.peak_device_bytes is None or r.peak_device_bytes >= r.physical_kv_bytes
 
 
+def test_bench_decode_reports_its_phases(tiny_llama, capsys):
+    """Long runs show where the time goes: the fill and the first (compiling) decode call are
+    timed and, with progress, announced on stderr."""
+    config, params = tiny_llama
+    kw = dict(context=128, batch=1, steps=4, fill_chunk=64, copy_bytes=1 << 20)
+    r = bench_decode(config, params, make_policy("window", 32), progress=True, **kw)
+    err = capsys.readouterr().err
+    assert "[window] filled 128 tokens in" in err
+    assert "first call" in err and "ms/step" in err
+    assert r.fill_s > 0
+    # the first call compiles the loop and then runs the same steps the timed call runs
+    assert r.first_call_s > r.ms_per_step * r.steps / 1e3
+
+
 def test_bench_rejects_ragged_fill(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="multiple of fill_chunk"):
