@@ -34,7 +34,7 @@ def main() -> None:
     batch = int(pos[2]) if len(pos) == 3 else 8
     kind = jax.devices()[0].device_kind
     tune = _tuning.tuning_for(kind)
-    fields = {f.name: f.type for f in dataclasses.fields(tune)}
+    fields = [f.name for f in dataclasses.fields(tune)]
     for k in knobs:
         if k not in fields:
             raise SystemExit(f"unknown Tuning field {k!r}; fields: {', '.join(fields)}")
