@@ -119,7 +119,7 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
         key, kk, kv, km = jax.random.split(key, 4)
         h, d = layer.k.shape[1], layer.k.shape[3]
         # K and V drawn apart: slices of one [2, ...] draw ran as two device copies per layer
-        # and step inside the timed loop (the H200 trace, docs/benchmarks.md session 8).
+        # and step inside the timed loop (H200 trace, docs/lab/2026-12-01-policy-trace.md).
         new_k = jax.random.normal(kk, (b, 1, h, d), layer.k.dtype)
         new_v = jax.random.normal(kv, (b, 1, h, d), layer.k.dtype)
         inputs.append(((new_k, new_v), _random_stats(layer, km, b, 1)))

@@ -1,6 +1,6 @@
 """Per-kernel device times from a JAX profiler trace (`jax.profiler.trace(dir,
 create_perfetto_trace=True)`): where a compiled step's time goes, kernel by kernel, without
-Nsight Compute (which crashed on the policy probe on the H200, docs/benchmarks.md session 7)."""
+Nsight Compute (which crashed on the H200 policy probe, docs/lab/2026-11-30-kernels-vwords.md)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def _kernel(*refs, layout: tuple[tuple[int, int], ...]):
 
     layout: per write (number of arrays, N). Program (b, h, w) does write w of head (b, h): the
     writes of one head run side by side, not one after another in a single program (32 layers
-    of confkv in one program took 69 µs on the H200, docs/benchmarks.md session 8)."""
+    of confkv in one program took 69 µs on the H200, docs/lab/2026-12-01-policy-trace.md)."""
     n_in = sum(1 + 2 * k for k, _ in layout)
     ins, outs = refs[:n_in], refs[n_in:]
     i = o = 0

@@ -60,7 +60,7 @@ case "${1:-foundation}" in
     # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it
     # (row confkv-bf16: confkv without INT8, 6554 BF16 tokens; a -sw suffix writes the decode
     # slots with the one-launch Pallas kernel, write_kernel=pallas, the GPU default since
-    # session 6; confkv-xw writes them with XLA's scatters, for the A/B).
+    # 2026-11-30; confkv-xw writes them with XLA's scatters, for the A/B).
     for b in ${BATCHES:-8 1}; do
       for row in ${ROWS:-full:xla full:pallas confkv:pallas qevict:pallas}; do
         name=${row%%:*} impl=${row##*:}

@@ -393,7 +393,7 @@ def decode_attention_lowbit_triton(
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
-    # then gathered: with logits it ran 2.5x slower inside a decode step (session 9 trace).
+    # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
     default_stack = tune.lowbit_stack_pages and not return_logits
     stack = default_stack if stack_pages is None else bool(stack_pages)
     if stack and block_k is None:
