@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
+from kvjax.generate._fit import fit_policy
 from kvjax.generate._step import cache_spec_for
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
@@ -38,6 +39,7 @@ def generate(
         gen: static generation settings.
         seed: sampling seed (ignored when greedy).
     """
+    policy = fit_policy(policy, config)  # the layer count comes from the model
     lengths = check_lengths(prompts)
     tokens = pad_prompts(prompts, gen.chunk_size, gen.pad_id)
     check_tokens(tokens, lengths, config.vocab_size)
