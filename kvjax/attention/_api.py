@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from kvjax.attention._types import AttnStats
 from kvjax.attention._xla import attend_xla
 from kvjax.cache import LayerCache
+from kvjax.sharding import active_layout
 
 Array = jax.Array
 Implementation = Literal["xla", "pallas", "auto"]
@@ -73,8 +74,11 @@ def attend(
     implementation = resolve_implementation(implementation)
     args = (q, layer, k_new, v_new, q_pos, new_valid, query_weight)
     if implementation == "pallas" and t == 1:
-        from kvjax.attention._pallas import attend_pallas
+        from kvjax.attention._pallas import attend_pallas, attend_pallas_sharded
 
+        layout = active_layout()  # a mesh: the kernels run per device under shard_map
+        if layout is not None:
+            return attend_pallas_sharded(layout, *args, scale=scale, need_mass=need_mass)
         return attend_pallas(*args, scale=scale, need_mass=need_mass)
     if implementation in ("xla", "pallas"):
         return attend_xla(*args, scale=scale)

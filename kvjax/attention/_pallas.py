@@ -4,9 +4,15 @@ The kernels attend over the cache tiers only and return (out, lse, per-tier scal
 step's own token, which is not in the cache yet, is merged here with a log-sum-exp combine, and
 the per-slot attention mass the policies consume is computed from the logits and the final lse
 (a few % of the KV bytes, no second pass over K/V). Decode only: one query per sequence.
+
+On a mesh (`attend_pallas_sharded`) the whole adapter runs under `shard_map`: each device
+attends its own (sequence, KV head) blocks, and with the slot axis sharded (context-parallel
+decode) the per-device partials merge by the same log-sum-exp combine before the new token joins.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +24,13 @@ from kvjax.pallas_kernels.decode_attention import (
     FullTier,
     Int8Tier,
     LowBitTier,
+    Partials,
     attention_mass,
+    combine,
     decode_attention,
     default_backend,
 )
+from kvjax.sharding import Axis, Layout, Names, layer_names
 
 Array = jax.Array
 
@@ -48,6 +57,7 @@ def attend_pallas(
     *,
     scale: float,
     need_mass: bool = True,
+    seq_axis: str | None = None,
 ) -> tuple[Array, AttnStats]:
     """`attend_xla`'s contract for T == 1, through the Pallas kernels.
 
@@ -60,6 +70,8 @@ def attend_pallas(
         query_weight: [B, 1] float32 weight of the query in the mass.
         scale: logit scale.
         need_mass: compute the per-slot mass (else the kernels write no logits; zeros).
+        seq_axis: inside `shard_map` with the slot axis split over this mesh axis: merge the
+            devices' partial attentions (all-gather of [B, Hkv, G, D] partials, not of K/V).
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -94,6 +106,10 @@ def attend_pallas(
         return_logits=need_mass,
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
     )
+    if seq_axis is not None:
+        gather = lambda x: jax.lax.all_gather(x, seq_axis, axis=2)  # [B, Hkv, S, G(, D)]
+        out_all, lse_all = combine([Partials(gather(res.out), gather(res.lse), None)])
+        res = res._replace(out=out_all, lse=lse_all)
     # The step's own token joins with a log-sum-exp combine.
     s_new = einsum_f32("bhgd,bhd->bhg", qg, k_new[:, 0]) * scale  # [B, Hkv, G]
     s_new = jnp.where(new_valid[:, :1, None], s_new, -jnp.inf)
@@ -122,3 +138,46 @@ def attend_pallas(
         lowbit_mass=masses[-1].reshape(layer.lowbit.pos.shape) if lowbit is not None else None,
     )
     return out.reshape(b, 1, hq, d).astype(q.dtype), stats
+
+
+def attend_pallas_sharded(
+    layout: Layout,
+    q: Array,
+    layer: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    q_pos: Array,
+    new_valid: Array,
+    query_weight: Array,
+    *,
+    scale: float,
+    need_mass: bool = True,
+) -> tuple[Array, AttnStats]:
+    """`attend_pallas` under `shard_map` over the layout's mesh (Pallas calls do not partition
+    themselves): each device runs the kernels on its batch rows, KV heads (with their query
+    heads) and, context-parallel, its slots. Same arguments and results as `attend_pallas`."""
+    b_, h_, hq_, c_ = Axis.BATCH, Axis.KV_HEADS, Axis.HEADS, Axis.SLOTS
+    spec = lambda *axes: layout.spec(Names(axes))
+    heads_q, heads_kv, rows = spec(b_, None, hq_, None), spec(b_, None, h_, None), spec(b_, None)
+    layer_specs = jax.tree.map(layout.spec, layer_names(layer), is_leaf=_is_names)
+    stats_specs = AttnStats(
+        slot_mass=spec(b_, h_, c_),
+        new_mass=spec(b_, h_, None),
+        lse=spec(b_, None, hq_),
+        int8_mass=spec(b_, h_, c_) if layer.int8 is not None else None,
+        lowbit_mass=spec(b_, h_, c_, None) if layer.lowbit is not None else None,
+    )
+    local = functools.partial(
+        attend_pallas, scale=scale, need_mass=need_mass, seq_axis=layout.mesh_axis(c_)
+    )
+    return jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(heads_q, layer_specs, heads_kv, heads_kv, rows, rows, rows),
+        out_specs=(heads_q, stats_specs),
+        check_vma=False,
+    )(q, layer, k_new, v_new, q_pos, new_valid, query_weight)
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, Names)

@@ -16,6 +16,7 @@ from kvjax.generate._types import GenerateConfig, GenerateOutput
 from kvjax.generate._validate import check_lengths, check_tokens, pad_prompts
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
+from kvjax.sharding import TENSOR_PARALLEL, ShardingRules
 
 Array = jax.Array
 
@@ -28,6 +29,8 @@ def generate(
     policy: Policy,
     gen: GenerateConfig,
     seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules = TENSOR_PARALLEL,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (different lengths allowed).
 
@@ -38,6 +41,9 @@ def generate(
         policy: the cache policy.
         gen: static generation settings.
         seed: sampling seed (ignored when greedy).
+        mesh: run sharded over this device mesh (docs/sharding.md): params and cache are placed
+            by `rules` and the same loop runs as one SPMD program. None: one device.
+        rules: how logical axes map onto the mesh's axes (used only with `mesh`).
     """
     policy = fit_policy(policy, config)  # the layer count comes from the model
     lengths = check_lengths(prompts)
@@ -54,6 +60,11 @@ def generate(
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")
     dtype = gen.cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     spec = cache_spec_for(config, policy, batch=len(prompts), max_len=max_len, dtype=dtype)
+    if mesh is not None:
+        from kvjax.generate._sharded import generate_sharded
+
+        args = (params, tokens, lengths, jax.random.key(seed))
+        return generate_sharded(config, policy, gen, spec, mesh, rules, *args)
     return _generate(
         config,
         policy,

@@ -14,6 +14,7 @@ from kvjax.cache import Cache, CacheSpec
 from kvjax.generate._fit import fit_policy
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
+from kvjax.sharding import constrain_cache
 
 Array = jax.Array
 
@@ -73,7 +74,7 @@ def model_step(
         cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
     )
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
-    return out.logits, new_cache
+    return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
 
 
 def cache_spec_for(

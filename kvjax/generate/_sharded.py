@@ -1,0 +1,90 @@
+"""`generate` over a device mesh: the same jitted loop, with params, inputs and cache placed by
+a `Layout` and traced under it (so the attention dispatch runs its kernels per device)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from kvjax.cache import CacheSpec
+from kvjax.generate._stream import prefill_and_decode
+from kvjax.generate._types import GenerateConfig, GenerateOutput
+from kvjax.models import ModelConfig, Params
+from kvjax.policies import Policy
+from kvjax.sharding import (
+    Axis,
+    Layout,
+    ShardingRules,
+    constrain_cache,
+    resolve_layout,
+    shard_params,
+    use_layout,
+)
+
+Array = jax.Array
+
+
+def layout_for(
+    config: ModelConfig, spec: CacheSpec, mesh: jax.sharding.Mesh, rules: ShardingRules
+) -> Layout:
+    """The layout of `rules` on `mesh` for this model and cache (replication rule and errors:
+    `kvjax.sharding.resolve_layout`)."""
+    slots = spec.capacities + (spec.int8_capacities or ()) + (spec.lowbit_pages or ())
+    return resolve_layout(
+        mesh,
+        rules,
+        batch=spec.batch,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        slot_counts=slots,
+    )
+
+
+def place_rows(x: np.ndarray, layout: Layout) -> Array:
+    """A host array with leading batch axis, split over the layout's batch axis. Every process
+    passes the whole array (multi-process: each keeps its addressable rows)."""
+    batch = layout.mesh_axis(Axis.BATCH)
+    sharding = NamedSharding(layout.mesh, PartitionSpec(batch, *([None] * (x.ndim - 1))))
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def generate_sharded(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    spec: CacheSpec,
+    mesh: jax.sharding.Mesh,
+    rules: ShardingRules,
+    params: Params,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    key: Array,
+) -> GenerateOutput:
+    """`generate`'s jitted core on `mesh` (arguments already validated by `generate`)."""
+    layout = layout_for(config, spec, mesh, rules)
+    params = shard_params(params, layout)
+    tokens, lengths = place_rows(tokens, layout), place_rows(lengths, layout)
+    return _generate_on(config, policy, gen, spec, layout, params, tokens, lengths, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _generate_on(
+    config: ModelConfig,
+    policy: Policy,
+    gen: GenerateConfig,
+    spec: CacheSpec,
+    layout: Layout,
+    params: Params,
+    tokens: Array,
+    lengths: Array,
+    key: Array,
+) -> GenerateOutput:
+    with use_layout(layout):
+        cache = constrain_cache(policy.empty_cache(spec))  # allocated sharded, never gathered
+        out = prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]
+    return out
