@@ -33,8 +33,9 @@ def peak_live_bytes(spec: CacheSpec, unit_bytes: tuple[int, int, int]) -> int:
 
 
 def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsize: int) -> int:
-    """Peak live bytes of the policy's cache for one sequence: every slot of every tier occupied,
-    or the policy's own bound when it enforces a byte budget (QEvict)."""
+    """Peak live bytes of the policy's cache for one sequence: every slot of every tier occupied
+    plus the current token (what a step attends), or the policy's own bound when it enforces a
+    byte budget (QEvict)."""
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
     spec = cache_spec_for(config, policy, batch=1, max_len=max_len, dtype=dtype)
     bound = policy.live_bytes_bound(spec)
@@ -42,7 +43,8 @@ def policy_peak_bytes(policy: Policy, config: ModelConfig, max_len: int, itemsiz
         return bound
     d, g = config.head_dim, spec.lowbit_page_size
     page = lowbit_page_bytes(d, g, spec.lowbit_bits, min(spec.lowbit_value_group, d))
-    return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page))
+    current = spec.num_layers * spec.num_kv_heads * 2 * d * itemsize
+    return peak_live_bytes(spec, (2 * d * itemsize, 2 * d + 8, page)) + current
 
 
 def matched_budget(

@@ -2,6 +2,7 @@
 
 from kvjax.cache._bytes import (
     TIERS,
+    attended_slots_per_layer,
     layer_slot_bytes,
     live_bytes,
     live_slots_per_layer,
@@ -29,6 +30,7 @@ __all__ = [
     "Int8Tier",
     "LayerCache",
     "LowBitTier",
+    "attended_slots_per_layer",
     "init_cache",
     "layer_slot_bytes",
     "live_bytes",

@@ -1,7 +1,9 @@
 """Memory accounting, two ways never mixed up.
 
 * physical bytes: everything the cache allocates (data, positions, scores), used or not;
-* live bytes: K and V data of occupied slots only, the number papers report as "KV memory".
+* live bytes: K and V data of the tokens a decode step attends, the number papers report as "KV
+  memory": the occupied slots plus the current token (attended from the step's own K/V, one
+  full-precision token per KV head and layer), see `attended_slots_per_layer`.
 
 Inside jit we count slots (int32); bytes are computed on the host in int64, because byte counts of
 real caches overflow int32 and lose exactness in float32.
@@ -61,6 +63,17 @@ def live_slots_per_layer(cache: Cache) -> Array:
     return jnp.stack([_layer_tier_slots(layer) for layer in cache.layers], axis=1)
 
 
+def attended_slots_per_layer(cache: Cache) -> Array:
+    """[B, L, 3] int32: units a decode step attends per layer and tier — the occupied units of
+    `live_slots_per_layer` plus the current token (one full-precision slot per KV head) in rows
+    that have consumed a token. Measured after a step's write, it is what the step attended
+    (a budget of N: at most N tokens)."""
+    live = live_slots_per_layer(cache)
+    hkv = cache.layers[0].pos.shape[1]
+    cur = jnp.where(cache.length > 0, hkv, 0).astype(jnp.int32)  # [B]
+    return live.at[:, :, 0].add(cur[:, None])
+
+
 def slots_to_bytes(slots, slot_bytes: np.ndarray) -> np.ndarray:
     """[..., L, 3] unit counts and [L, 3] unit bytes → [...] int64 live bytes."""
     s = np.asarray(slots, np.int64)
@@ -68,5 +81,6 @@ def slots_to_bytes(slots, slot_bytes: np.ndarray) -> np.ndarray:
 
 
 def live_bytes(cache: Cache) -> np.ndarray:
-    """[B] int64: K/V bytes of occupied slots, all tiers, layers, KV heads (host side)."""
-    return slots_to_bytes(live_slots_per_layer(cache), slot_bytes_per_layer(cache))
+    """[B] int64: K/V bytes a decode step attends (occupied slots of all tiers plus the current
+    token), all layers and KV heads (host side)."""
+    return slots_to_bytes(attended_slots_per_layer(cache), slot_bytes_per_layer(cache))

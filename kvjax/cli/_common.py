@@ -82,10 +82,14 @@ def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_policy(name: str, args: argparse.Namespace, num_layers: int | None = None) -> Policy:
-    """The policy named on the command line, with its flags (validated: bad values raise)."""
+    """The policy named on the command line, with its flags (validated: bad values raise).
+
+    A `--budget` shared by several policies (`--policy full window`) applies to those that take
+    one; given to a single policy that takes none (`full`, `kivi`) it is an error."""
+    shared = isinstance(getattr(args, "policy", None), list)
     return make_policy(
         name,
-        None if name in BUDGETLESS else args.budget,
+        None if shared and name in BUDGETLESS else args.budget,
         num_layers=num_layers,
         **policy_kwargs(args),
     )

@@ -16,7 +16,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache, live_slots_per_layer
+from kvjax.cache import Cache, attended_slots_per_layer
 from kvjax.generate._fit import fit_policy
 from kvjax.generate._step import model_step, new_cache
 from kvjax.models import ModelConfig, Params
@@ -29,8 +29,8 @@ Array = jax.Array
 class ScoreOutput:
     """Attributes:
     nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1 (0 past a row's length).
-    live_slots: [S-1, B, L, 3] int32 occupied units per layer and tier when each prediction was
-        made (after the token that makes it was written).
+    live_slots: [S-1, B, L, 3] int32 units attended per layer and tier when each prediction was
+        made: the occupied units after the token that makes it was written, plus that token.
     cache: the final cache.
     """
 
@@ -59,7 +59,7 @@ def _score_segment(
         logits, cache = model_step(config, policy, params, cache, tok, val, implementation=impl)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = jnp.where(val, -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0], 0.0)
-        live = live_slots_per_layer(cache)
+        live = attended_slots_per_layer(cache)
         return cache, (nll, jnp.broadcast_to(live[:, None], (b, chunk, *live.shape[1:])))
 
     split = lambda x: jnp.moveaxis(x.reshape(b, k // chunk, chunk), 1, 0)

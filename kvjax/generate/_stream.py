@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache, live_slots_per_layer, slot_bytes_per_layer
+from kvjax.cache import Cache, attended_slots_per_layer, slot_bytes_per_layer
 from kvjax.generate._sampling import sample
 from kvjax.generate._step import model_step
 from kvjax.generate._types import GenerateConfig, GenerateOutput, Telemetry
@@ -108,7 +108,7 @@ def decode(
         )
         tel = Telemetry(
             confidence=tel.confidence.at[step].set(jnp.where(done, 0.0, conf)),
-            live_slots=tel.live_slots.at[step].set(live_slots_per_layer(cache)),
+            live_slots=tel.live_slots.at[step].set(attended_slots_per_layer(cache)),
             budget=tel.budget.at[step].set(policy.current_budget(cache.policy_state, b)),
             steps=step + 1,
             slot_bytes=tel.slot_bytes,

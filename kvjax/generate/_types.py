@@ -21,8 +21,9 @@ class Telemetry:
 
     Attributes:
         confidence: [N, B] float32 CONF-KV confidence of the distribution the token came from.
-        live_slots: [N, B, L, 3] int32 occupied units per layer and tier (full slots, INT8
-            slots, low-bit pages), summed over KV heads, after the step.
+        live_slots: [N, B, L, 3] int32 units the step attended per layer and tier (full
+            slots, INT8 slots, low-bit pages), summed over KV heads: the occupied units after
+            the step plus its current token (`kvjax.cache.attended_slots_per_layer`).
         budget: [N, B] int32 the policy's token budget chosen for the step (-1: fixed budget).
         steps: [] int32 number of decode steps run.
         slot_bytes: [L, 3] int32 K/V bytes of one unit of one KV head, per layer and tier.

@@ -3,6 +3,12 @@ methods; the generate loop calls them inside one jit.
 
 Per step: the model reads the cache and returns each layer's new K/V and attention mass; then
 `begin_step` sees the step's logits (budget decisions), and `write` updates each layer's slots.
+
+Budgets: a budget of N means N tokens attended at every decode step, the current token included
+(StreamingLLM's cache size, Mistral's `sliding_window`). The current token is attended from the
+step's own K/V, on top of the cache, so a budgeted policy caches at most `cached_tokens(N)` =
+N - 1 tokens; live bytes (`kvjax.cache.attended_slots_per_layer`) count the cache plus the
+current token, i.e. what a step attends.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from kvjax.attention import AttnStats
 from kvjax.cache import Cache, CacheSpec, LayerCache, init_cache, write_slots
 
 Array = jax.Array
+
+
+def cached_tokens(budget: int) -> int:
+    """Tokens a policy with a budget of `budget` attended tokens per step may keep cached: the
+    current token is attended on top of the cache (from this step's own K/V)."""
+    return budget - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kvjax.policies._base import cached_tokens
 from kvjax.policies._confidence import confidence
 from kvjax.policies._ranked import RankedPolicy
 
@@ -27,7 +28,8 @@ class ConfKVPolicy(RankedPolicy):
     """Confidence-gated budget, EMA + recency ranking, protected window, INT8 older tokens.
 
     Attributes:
-        budget: N_low, the loose budget (tokens per KV head per layer), used when uncertain.
+        budget: N_low, the loose budget (tokens attended per step per KV head per layer, the
+            current one included), used when uncertain.
         tight_ratio: N_high = round(tight_ratio · budget), used when confident (ours: 0.5).
         tau: confidence threshold τ (ours: 0.5).
         weights: (w_H, w_m, w_p) of the confidence score (paper: 0.4, 0.3, 0.3).
@@ -81,10 +83,11 @@ class ConfKVPolicy(RankedPolicy):
         for li in layers:
             tight = self._tight(li)
             where = "the deepest layer" if li is None else f"layer {li}"
-            if tight - self.ring < 1:
+            if cached_tokens(tight) - self.ring < 1:
                 raise ValueError(
                     f"ConfKVPolicy: budget {self.budget} is too small — the tight budget "
-                    f"{tight} ({where}) must exceed the protected window {self.ring} "
+                    f"{tight} ({where}) must exceed the current token + the protected "
+                    f"window {self.ring} "
                     f"(protected={self.protected}, fp_window={self.fp_window if self.int8 else 0})"
                 )
         self._check()
@@ -126,7 +129,7 @@ class ConfKVPolicy(RankedPolicy):
 
     def ranked_budget(self, state, layer_index, batch):
         n = jnp.where(state, self._tight(layer_index), self.max_budget(layer_index))
-        return (n - self.ring).astype(jnp.int32)
+        return (cached_tokens(n) - self.ring).astype(jnp.int32)
 
     def update_score(self, score, mass, pos, cur, state, layer_index):
         del pos, cur, state, layer_index

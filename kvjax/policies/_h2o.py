@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.policies._base import cached_tokens
 from kvjax.policies._ranked import RankedPolicy
 
 
@@ -14,8 +15,9 @@ class H2OPolicy(RankedPolicy):
     """Recent window + heavy hitters by accumulated attention (column sums).
 
     Attributes:
-        budget: tokens kept per KV head per layer.
-        recent_ratio: share of the budget given to the recent window (paper: half).
+        budget: tokens attended per step per KV head per layer (the current one included).
+        recent_ratio: share of the cached tokens (budget - 1) given to the recent window
+            (paper: half).
     """
 
     name = "h2o"
@@ -25,10 +27,13 @@ class H2OPolicy(RankedPolicy):
     def __post_init__(self) -> None:
         if not 0 < self.recent_ratio < 1:
             raise ValueError(f"H2OPolicy.recent_ratio must be in (0, 1), got {self.recent_ratio}")
-        if self.budget < 2:
-            raise ValueError(f"H2OPolicy.budget must be >= 2, got {self.budget}")
+        if self.budget < 3:
+            raise ValueError(
+                f"H2OPolicy.budget must be >= 3 (the current token, one recent, one heavy "
+                f"hitter), got {self.budget}"
+            )
         self._check()
 
     @property
     def ring(self) -> int:
-        return max(1, round(self.budget * self.recent_ratio))
+        return max(1, round(cached_tokens(self.budget) * self.recent_ratio))

@@ -59,7 +59,8 @@ class KVpopPolicy(RankedPolicy):
     """Sinks + protected window + learned top-k.
 
     Attributes:
-        budget: B = sinks + window + k, tokens kept per KV head per layer.
+        budget: B = 1 + sinks + window + k, tokens attended per step per KV head per layer
+            (the current token included).
         sinks: s, first tokens never evicted (paper: 4).
         window: w, newest tokens never evicted (paper: 256 at B = 2048; ours: 32, the window the
             shipped scorers were trained with — their mLSTM reads a token w tokens late).
@@ -82,10 +83,10 @@ class KVpopPolicy(RankedPolicy):
             raise ValueError(f"KVpopPolicy.sinks must be >= 0, got {self.sinks}")
         if self.window < 1:
             raise ValueError(f"KVpopPolicy.window must be >= 1, got {self.window}")
-        if self.budget <= self.sinks + self.window:
+        if self.budget <= 1 + self.sinks + self.window:
             raise ValueError(
-                f"KVpopPolicy.budget ({self.budget}) must exceed sinks + window "
-                f"({self.sinks} + {self.window}): no long-range slots are left"
+                f"KVpopPolicy.budget ({self.budget}) must exceed the current token + sinks + "
+                f"window (1 + {self.sinks} + {self.window}): no long-range slots are left"
             )
         if not self.decay >= 0:
             raise ValueError(f"KVpopPolicy.decay must be >= 0, got {self.decay}")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
-from kvjax.policies._base import Policy
+from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._qevict_move import MoveJob, apply_moves
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
 from kvjax.quant import BITS
@@ -36,7 +36,8 @@ class QEvictPolicy(Policy):
 
     Attributes:
         budget: the byte budget per KV head and layer, in full-precision tokens (M = budget ·
-            2·D·itemsize bytes); sinks and the local band are paid from it.
+            2·D·itemsize bytes) attended per step; the current token, the sinks and the local
+            band are paid from it.
         window: ω, tokens per window (8; 16 for RULER-length runs).
         sinks: first tokens always kept in full precision.
         band: recent tokens always in full precision (a multiple of ω); None: min(128,
@@ -75,10 +76,11 @@ class QEvictPolicy(Policy):
             raise ValueError(f"QEvictPolicy.moves must be >= 1 or None, got {self.moves}")
         if self.bits not in BITS:
             raise ValueError(f"QEvictPolicy.bits must be one of {BITS}, got {self.bits}")
-        if self.budget <= self.sinks + self.local_band + self.window:
+        if cached_tokens(self.budget) <= self.sinks + self.local_band + self.window:
             raise ValueError(
-                f"QEvictPolicy.budget ({self.budget}) must exceed sinks + band + window "
-                f"({self.sinks} + {self.local_band} + {self.window}): no room for ranked windows"
+                f"QEvictPolicy.budget ({self.budget}) must exceed the current token + sinks + "
+                f"band + window (1 + {self.sinks} + {self.local_band} + {self.window}): no room "
+                "for ranked windows"
             )
 
     @property
@@ -96,7 +98,7 @@ class QEvictPolicy(Policy):
             )
         tok = 2 * head_dim * np.dtype(dtype).itemsize
         ring = self.local_band + self.window
-        budget_bytes = (self.budget - self.sinks - ring) * tok
+        budget_bytes = (cached_tokens(self.budget) - self.sinks - ring) * tok
         fp_w = self.window * tok
         page = lowbit_page_bytes(head_dim, self.window, self.bits, vg)
         if budget_bytes < min(fp_w, page):

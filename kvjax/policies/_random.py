@@ -29,7 +29,7 @@ class RandomPolicy(RankedPolicy):
     """Random keep-priorities drawn once per token.
 
     Attributes:
-        budget: tokens kept per KV head per layer.
+        budget: tokens attended per step per KV head per layer (the current one included).
         recent: protected recent window (default 32, CONF-KV's P).
         seed: random seed.
     """

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies._base import Policy
+from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._regions import (
     SlotWrites,
     Tokens,
@@ -56,6 +56,9 @@ class RankedPolicy(Policy):
     Subclasses provide `ring` (recent tokens kept in full precision, >= 1), `sinks` (first
     tokens never evicted), `int8` (ranked region stored INT8), `max_budget(layer)` and optionally a
     dynamic `ranked_budget`.
+
+    A budget N counts the tokens attended per step, the current one included: the cache holds
+    the ring's W tokens before the current one and a ranked region of N - 1 - W.
     """
 
     @property
@@ -81,14 +84,19 @@ class RankedPolicy(Policy):
         return False
 
     def max_budget(self, layer_index: int) -> int:
-        """Largest total token budget (ring included) of a layer (default: the `budget` field)."""
+        """Largest total token budget (attended per step: the current token and the ring
+        included) of a layer (default: the `budget` field)."""
         del layer_index
         return self.budget
 
     def ranked_budget(self, state: Any, layer_index: int, batch: int) -> Array:
         """[B] int32 slots of the ranked region allowed now (default: all of them)."""
         del state
-        return jnp.full((batch,), self.max_budget(layer_index) - self.ring, jnp.int32)
+        return jnp.full((batch,), self._ranked_slots(layer_index), jnp.int32)
+
+    def _ranked_slots(self, layer_index: int) -> int:
+        """Slots of a layer's ranked region: its budget less the current token and the ring."""
+        return cached_tokens(self.max_budget(layer_index)) - self.ring
 
     # --- scores (override) -------------------------------------------------------------------
     def update_score(
@@ -122,29 +130,30 @@ class RankedPolicy(Policy):
         if self.ring < 1:
             raise ValueError(f"{type(self).__name__}: the recent window must be >= 1 token")
         for layer in (0,):
-            ranked = self.max_budget(layer) - self.ring
+            ranked = self._ranked_slots(layer)
             if ranked < max(1, self.sinks):
                 raise ValueError(
                     f"{type(self).__name__}: budget {self.max_budget(layer)} leaves {ranked} "
-                    f"ranked slots after the protected window ({self.ring}); it must exceed "
-                    f"the window + sinks ({self.ring} + {self.sinks})"
+                    f"ranked slots after the current token and the protected window "
+                    f"({self.ring}); it must be at least 1 + window + max(1, sinks) "
+                    f"= {1 + self.ring + max(1, self.sinks)}"
                 )
 
     def capacity(self, max_len: int) -> int:
         del max_len
-        return self.max_budget(0) if not self.int8 else self.ring
+        return cached_tokens(self.max_budget(0)) if not self.int8 else self.ring
 
     def capacities(self, num_layers: int, max_len: int) -> tuple[int, ...]:
         del max_len
         if self.int8:
             return (self.ring,) * num_layers
-        return tuple(self.max_budget(i) for i in range(num_layers))
+        return tuple(cached_tokens(self.max_budget(i)) for i in range(num_layers))
 
     def int8_capacities(self, num_layers: int, max_len: int) -> tuple[int, ...] | None:
         del max_len
         if not self.int8:
             return None
-        return tuple(self.max_budget(i) - self.ring for i in range(num_layers))
+        return tuple(self._ranked_slots(i) for i in range(num_layers))
 
     # --- the write ----------------------------------------------------------------------------
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):

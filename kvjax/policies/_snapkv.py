@@ -24,7 +24,8 @@ class SnapKVPolicy(RankedPolicy):
     """Prefill-time selection by pooled observation-window attention, then a decode window.
 
     Attributes:
-        budget: tokens kept per KV head per layer (window included).
+        budget: tokens attended per step per KV head per layer (the current one and the
+            window included).
         window: recent tokens always kept (the observation window's tokens and decode's window).
         observation: prompt queries that vote (paper: 32).
         pool: max-pool kernel over positions (paper: 5-7; odd).

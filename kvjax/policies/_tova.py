@@ -14,7 +14,7 @@ class TOVAPolicy(RankedPolicy):
     """Evict the lowest current-step attention.
 
     Attributes:
-        budget: tokens kept per KV head per layer.
+        budget: tokens attended per step per KV head per layer (the current one included).
         recent: newest tokens exempt from eviction (1: only the token just written).
     """
 

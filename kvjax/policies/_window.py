@@ -1,18 +1,21 @@
-"""Sliding window: the last `budget` tokens, in a ring of slots."""
+"""Sliding window: the last `budget` tokens (the current one included), in a ring of slots."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvjax.policies._base import PositionalPolicy
+import jax.numpy as jnp
+
+from kvjax.policies._base import PositionalPolicy, cached_tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WindowPolicy(PositionalPolicy):
-    """Keeps the most recent `budget` tokens (slot = position mod budget).
+    """Attends the most recent `budget` tokens, the current one included (Mistral's
+    `sliding_window`): the cache keeps the `budget - 1` before it (slot = position mod that).
 
     Attributes:
-        budget: tokens kept per KV head, >= 1.
+        budget: tokens attended per step per KV head, >= 1 (1: the current token only).
     """
 
     name = "window"
@@ -22,12 +25,17 @@ class WindowPolicy(PositionalPolicy):
         if self.budget < 1:
             raise ValueError(f"WindowPolicy.budget must be >= 1, got {self.budget}")
 
+    @property
+    def _kept(self) -> int:
+        return cached_tokens(self.budget)
+
     def capacity(self, max_len: int) -> int:
         del max_len
-        return self.budget
+        return max(1, self._kept)  # budget 1 keeps nothing: one slot that stays empty
 
     def slot_of(self, pos, capacity):
         return pos % capacity
 
     def survives(self, pos, last_pos, capacity):
-        return pos > last_pos - capacity
+        del capacity
+        return (pos > last_pos - self._kept) & jnp.bool_(self._kept > 0)

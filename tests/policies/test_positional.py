@@ -12,12 +12,13 @@ from kvjax.policies import POLICIES, FullPolicy, StreamingPolicy, WindowPolicy, 
 
 
 def expected_kept(policy, n: int) -> set[int]:
-    """The obvious answer: which positions survive after n tokens."""
+    """The obvious answer: which positions stay cached after n tokens. A budget counts the
+    tokens the next step attends, its own token included, so the cache keeps budget - 1."""
     if isinstance(policy, FullPolicy):
         return set(range(n))
     if isinstance(policy, WindowPolicy):
-        return set(range(max(0, n - policy.budget), n))
-    sinks, ring = policy.sinks, policy.budget - policy.sinks
+        return set(range(max(0, n - (policy.budget - 1)), n))
+    sinks, ring = policy.sinks, policy.budget - 1 - policy.sinks
     return set(range(min(sinks, n))) | set(range(max(sinks, n - ring), n))
 
 
@@ -69,6 +70,8 @@ def test_kept_set_equals_brute_force(policy, chunks):
             assert np.all(np.asarray(layer.k[0, h, slot]) == pos[slot])
             assert np.all(np.asarray(layer.v[0, h, slot]) == -pos[slot])
     assert max(live) <= policy.capacity(n)
+    if not isinstance(policy, FullPolicy):
+        assert max(live) <= policy.budget - 1  # + the current token = the budget
 
 
 def test_registry_knows_the_foundation_policies():

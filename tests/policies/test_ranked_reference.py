@@ -51,7 +51,9 @@ def np_priority(policy, score, pos, cur):
 
 
 def simulate(policy, masses, budgets, layer=0):
-    """Obvious version: per head, a dict pos -> score; ring = newest `ring` positions."""
+    """Obvious version: per head, a dict pos -> score; ring = newest `ring` positions; `budgets`
+    are the ranked slots per step (a budget of N attended tokens: N - 1 cached, the next
+    step's own token on top; N - 1 - ring of them ranked)."""
     kept_per_step = []
     tokens = [dict() for _ in range(H)]
     for t, (m, n_ranked) in enumerate(zip(masses, budgets, strict=True)):
@@ -140,8 +142,8 @@ def policies():
         make_policy("tova", 6, recent=2),
         make_policy("random", 9, recent=3, seed=3),
         ConfKVPolicy(budget=10, protected=3, fp_window=3, int8=False, recency_weight=0.3),
-        ConfKVPolicy(budget=10, protected=2, fp_window=4, int8=True),
-        ConfKVPolicy(budget=12, protected=2, fp_window=3, int8=False, pyramid=0.5, num_layers=3),
+        ConfKVPolicy(budget=12, protected=2, fp_window=4, int8=True),
+        ConfKVPolicy(budget=14, protected=2, fp_window=3, int8=False, pyramid=0.5, num_layers=3),
     ]
 
 
@@ -158,17 +160,23 @@ def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
     if isinstance(policy, ConfKVPolicy):
         confident = rng.random(steps) < 0.5
         states = [jnp.asarray([c]) for c in confident]
-        budgets = [int(policy.ranked_budget(s, layer, 1)[0]) for s in states]
+        scale = 1 + policy.pyramid * (1 - 2 * layer / (policy.num_layers - 1)) if layer else 1
+        tight = max(1, round(policy.budget * policy.tight_ratio * scale))
+        attended = [tight if c else max(1, round(policy.budget * scale)) for c in confident]
     else:
         states = [None] * steps
-        budgets = [policy.max_budget(layer) - policy.ring] * steps
+        attended = [policy.budget] * steps
+    budgets = [n - 1 - policy.ring for n in attended]
     want = simulate(policy, masses, budgets, layer)
     got, _ = run_jit(policy, masses, states, merge=merge, layer=layer)
     for t in range(steps):
         assert got[t] == want[t], f"step {t}"
         for h in range(H):
-            # Live never exceeds the budget in force; the newest `ring` are always kept.
-            assert len(got[t][h]) <= policy.ring + budgets[t]
+            # The next step attends the cache + its own token: at most the budget in force
+            # (reached once enough tokens were seen); the newest `ring` are always kept.
+            assert len(got[t][h]) + 1 <= attended[t]
+            if t + 1 >= attended[t]:
+                assert len(got[t][h]) + 1 == attended[t]
             assert set(range(max(0, t - policy.ring + 1), t + 1)) <= got[t][h]
 
 
@@ -201,7 +209,8 @@ def test_unknown_write_kernel_is_named():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"budget": 20, "protected": 32}, "must exceed the protected window"),
+        ({"budget": 20, "protected": 32}, r"must exceed the current token \+ the protected"),
+        ({"budget": 8, "protected": 3, "int8": False}, "must exceed the current token"),
         ({"budget": 100, "tau": 1.5}, r"tau must be in \[0, 1\]"),
         ({"budget": 100, "ema_decay": 1.0}, r"ema_decay must be in \[0, 1\)"),
         ({"budget": 100, "weights": (1, 2)}, "weights must be 3"),
@@ -215,14 +224,22 @@ def test_confkv_bad_arguments(kwargs, match):
 @pytest.mark.parametrize(
     "name,budget,match",
     [
-        ("h2o", 1, "budget must be >= 2"),
-        ("tova", 1, "must exceed the window"),
-        ("random", 20, "must exceed the window"),
+        ("h2o", 2, "budget must be >= 3"),
+        ("tova", 2, r"must be at least 1 \+ window \+ max\(1, sinks\) = 3"),
+        ("random", 33, r"leaves 0 ranked slots.*= 34"),
     ],
 )
 def test_ranked_bad_budgets(name, budget, match):
     with pytest.raises(ValueError, match=match):
         make_policy(name, budget)
+
+
+def test_smallest_budgets_are_accepted():
+    """The boundary of the definition: one ranked slot after the current token and the ring."""
+    assert make_policy("tova", 3).capacity(0) == 2
+    assert make_policy("h2o", 3).capacity(0) == 2
+    assert make_policy("random", 34).capacity(0) == 33
+    assert ConfKVPolicy(budget=10, protected=3, int8=False).capacities(1, 0) == (9,)
 
 
 def test_unknown_hyperparameter_is_named():
@@ -284,7 +301,7 @@ def test_write_layers_plans_all_layers_like_write_per_layer(int8):
     pyramid budgets (so at a flip some layers are over their tight budget and others not)."""
     n_layers, b, t_steps = 3, 2, 40
     policy = ConfKVPolicy(
-        budget=14, protected=2, fp_window=3, int8=int8, pyramid=0.5, num_layers=n_layers
+        budget=20, protected=2, fp_window=3, int8=int8, pyramid=0.5, num_layers=n_layers
     )
     spec = CacheSpec(
         batch=b,
