@@ -24,6 +24,10 @@ CASES = {
     "qevict": {"window": 4, "sinks": 2, "band": 4},
     "kvpop": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlstm.msgpack")},
     "kvpop-mlp": {"sinks": 2, "window": 3, "scorer": str(_TINY_SCORERS / "tiny_llama_mlp.msgpack")},
+    "knorm": {"window": 2},
+    "keydiff": {"window": 2},
+    "pyramidkv": {"window": 3, "observation": 4, "pool": 3, "beta": 2, "num_layers": 2},
+    "chunkkv": {"window": 3, "observation": 4, "pool": 3, "chunk": 3},
 }
 NAMES = list(CASES)
 

@@ -1,12 +1,16 @@
 """Cache policies: which tokens stay, where, and at what precision."""
 
 from kvjax.policies._base import Policy, PositionalPolicy
+from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confidence import Confidence, confidence
 from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
+from kvjax.policies._keydiff import KeyDiffPolicy
 from kvjax.policies._kivi import KIVIPolicy
+from kvjax.policies._knorm import KnormPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._ranked import RankedPolicy
@@ -18,6 +22,7 @@ from kvjax.policies._window import WindowPolicy
 
 __all__ = [
     "BUDGETLESS",
+    "ChunkKVPolicy",
     "NEEDS_LAYERS",
     "POLICIES",
     "ConfKVPolicy",
@@ -25,9 +30,12 @@ __all__ = [
     "FullPolicy",
     "H2OPolicy",
     "KIVIPolicy",
+    "KeyDiffPolicy",
+    "KnormPolicy",
     "KVpopPolicy",
     "Policy",
     "PositionalPolicy",
+    "PyramidKVPolicy",
     "QEvictPolicy",
     "RandomPolicy",
     "RankedPolicy",

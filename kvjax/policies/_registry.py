@@ -6,11 +6,15 @@ import functools
 from typing import Any
 
 from kvjax.policies._base import Policy
+from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confkv import ConfKVPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
+from kvjax.policies._keydiff import KeyDiffPolicy
 from kvjax.policies._kivi import KIVIPolicy
+from kvjax.policies._knorm import KnormPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._snapkv import SnapKVPolicy
@@ -32,6 +36,11 @@ POLICIES: dict[str, type[Policy] | functools.partial] = {
         KIVIPolicy,
         KVpopPolicy,
         QEvictPolicy,
+        # kvpress's presses
+        KnormPolicy,
+        KeyDiffPolicy,
+        PyramidKVPolicy,
+        ChunkKVPolicy,
     )
 }
 # Named presets of a policy class.
@@ -39,7 +48,7 @@ POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
 POLICIES["kvpop-mlp"] = functools.partial(KVpopPolicy, scorer="mlp")
 BUDGETLESS = frozenset({"full", "kivi"})
 # Policies whose per-layer budgets need the model's layer count.
-NEEDS_LAYERS = frozenset({"confkv", "confkv-l"})
+NEEDS_LAYERS = frozenset({"confkv", "confkv-l", "pyramidkv"})
 
 
 def make_policy(
