@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")  # tests compile afresh, write nothing
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
