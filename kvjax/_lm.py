@@ -18,7 +18,14 @@ from jax.typing import DTypeLike
 
 from kvjax._budget import resolve_policy
 from kvjax.attention import Implementation
-from kvjax.generate import GenerateConfig, Sampling, Telemetry, generate, score_tokens
+from kvjax.generate import (
+    GenerateConfig,
+    Sampling,
+    Telemetry,
+    fit_policy,
+    generate,
+    score_tokens,
+)
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 from kvjax.weights import Tokenizer, load_model
@@ -98,6 +105,13 @@ class LM:
         Every method goes through here, so sharding (a mesh) is added in this one place.
         """
         return fn(self.config, self.params, tokens, **kwargs)
+
+    def _policy(self, policy, budget, compression, prompt_tokens: int) -> Policy:
+        """The policy a call runs, fitted to this model (its layer count)."""
+        pol = resolve_policy(
+            policy, budget=budget, compression=compression, prompt_tokens=prompt_tokens
+        )
+        return fit_policy(pol, self.config)
 
     # --- text -------------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
@@ -222,9 +236,7 @@ class LM:
         chunk_size: int = 256,
     ) -> GenerationResult:
         ids = self._encode(texts)
-        pol = resolve_policy(
-            policy, budget=budget, compression=compression, prompt_tokens=max(map(len, ids))
-        )
+        pol = self._policy(policy, budget, compression, max(map(len, ids)))
         stops = self._stop_ids(stop)
         gen = GenerateConfig(
             max_new_tokens=max_new_tokens,
@@ -276,9 +288,7 @@ class LM:
         lengths = [len(r) for r in ids]
         if min(lengths) < 2:
             raise ValueError(f"text {lengths.index(min(lengths))} has 1 token; ppl needs >= 2")
-        pol = resolve_policy(
-            policy, budget=budget, compression=compression, prompt_tokens=max(lengths)
-        )
+        pol = self._policy(policy, budget, compression, max(lengths))
         padded = np.zeros((len(ids), max(lengths)), np.int32)
         for b, row in enumerate(ids):
             padded[b, : len(row)] = row
