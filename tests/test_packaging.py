@@ -83,3 +83,16 @@ def test_wheel_has_no_top_level_train_or_eval(tmp_path):
         "assert u.find_spec('train') is None and u.find_spec('eval') is None"
     )
     subprocess.run([sys.executable, "-c", code, str(target)], check=True, cwd=tmp_path)
+
+
+def test_declared_stack_is_used():
+    """chex and transformers are runtime dependencies because the library imports them."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    sources = "\n".join(
+        p.read_text(encoding="utf-8")
+        for folder in ("kvjax", "train", "eval")
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    for name, imports in [("chex", ("import chex",)), ("transformers", ("from transformers",))]:
+        if any(d.startswith(name) for d in deps):
+            assert any(i in sources for i in imports), f"{name} is declared but never imported"
