@@ -6,7 +6,6 @@ core is one jit per configuration, so a second call with the same shapes does no
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,11 +16,11 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from kvjax._budget import resolve_policy
+from kvjax._results import GenerationResult, PerplexityResult
 from kvjax.attention import Implementation
 from kvjax.generate import (
     GenerateConfig,
     Sampling,
-    Telemetry,
     fit_policy,
     generate,
     score_tokens,
@@ -31,45 +30,6 @@ from kvjax.policies import Policy
 from kvjax.weights import Tokenizer, load_model
 
 Messages = Sequence[Mapping[str, str]]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GenerationResult:
-    """What `LM.generate` / `LM.chat` return. List fields for a list input, else one value.
-
-    Attributes:
-        text: the generated text, without stop tokens.
-        tokens: the generated ids, without the stop token.
-        finish_reason: "stop" (a stop token ended it) or "length" (max_new_tokens reached).
-        prompt_tokens: tokens in the (templated) prompt.
-        telemetry: the core's per-step `Telemetry` ([N, B] arrays, B = number of prompts), e.g.
-            `telemetry.live_bytes()` for the live K/V bytes after every step.
-        policy: the policy that ran (with its budget and layer count resolved).
-    """
-
-    text: str | list[str]
-    tokens: list[int] | list[list[int]]
-    finish_reason: str | list[str]
-    prompt_tokens: int | list[int]
-    telemetry: Telemetry
-    policy: Policy
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PerplexityResult:
-    """What `LM.ppl` returns. List fields for a list input, else one value.
-
-    Attributes:
-        ppl: exp(mean NLL) of each text's tokens after the first.
-        nll: [S_i - 1] float32 per-token negative log-likelihoods of each text.
-        num_tokens: tokens in each text.
-        policy: the policy that ran.
-    """
-
-    ppl: float | list[float]
-    nll: np.ndarray | list[np.ndarray]
-    num_tokens: int | list[int]
-    policy: Policy
 
 
 class LM:
