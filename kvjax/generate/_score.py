@@ -19,6 +19,7 @@ from kvjax.attention import Implementation
 from kvjax.cache import Cache, attended_slots_per_layer
 from kvjax.generate._fit import fit_policy
 from kvjax.generate._step import model_step, new_cache
+from kvjax.generate._validate import check_window
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 
@@ -117,6 +118,7 @@ def score_tokens(
         raise ValueError(
             f"{tokens.shape[1]} tokens exceed the model's {config.max_positions} learned positions"
         )
+    check_window(config, tokens.shape[1])
     b, s = tokens.shape
     lengths = np.full((b,), s, np.int64) if lengths is None else np.asarray(lengths, np.int64)
     if lengths.shape != (b,) or lengths.min() < 2 or lengths.max() > s:
