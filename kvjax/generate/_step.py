@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, CacheSpec
+from kvjax.generate._fit import fit_policy
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
 
@@ -46,6 +47,7 @@ def model_step(
         logits [B, T, V] float32 and the updated cache. Pass the cache with
         `donate_argnums` when calling this under your own jit so it is updated in place.
     """
+    policy = fit_policy(policy, config)
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if query_weight is None:
@@ -78,7 +80,12 @@ def cache_spec_for(
     config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype
 ) -> CacheSpec:
     """The cache `policy` needs for this model and `batch` sequences of at most `max_len`
-    tokens."""
+    tokens.
+
+    Raises:
+        ValueError: the policy was built for another layer count (see `fit_policy`).
+    """
+    policy = fit_policy(policy, config)
     return policy.cache_spec(
         batch=batch,
         num_layers=config.num_layers,
@@ -91,6 +98,7 @@ def cache_spec_for(
 
 def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
     """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
+    policy = fit_policy(policy, config)
     return policy.empty_cache(
         cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
     )
