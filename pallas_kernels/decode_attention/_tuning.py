@@ -49,7 +49,7 @@ class Tuning:
     num_stages: int = 2
     target_programs: int = 512
     mgpu_block_k: int = 64
-    mgpu_stages: int = 3
+    mgpu_stages: int = 2
     mgpu_target_programs: int = 264
     mgpu_tiers: tuple[str, ...] = ()
 

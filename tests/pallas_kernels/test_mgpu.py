@@ -19,7 +19,12 @@ import pytest
 from decode_cases import Case, make_tiers, oracle
 
 from kvjax.eval._kernel_ir import H200, abstract_tiers
-from kvjax.pallas_kernels.decode_attention import combine
+from kvjax.pallas_kernels.decode_attention import (
+    TUNINGS,
+    combine,
+    decode_attention,
+    tuning_for,
+)
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
@@ -125,3 +130,28 @@ def test_kernels_lower_for_h200(tier, logits):
             q, int8 if tier == "int8" else full, q_pos
         )
     assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
+
+
+def _kernels_traced(backend: str, block_k: int) -> list[str]:
+    case = Case(dtype="bfloat16", tiers="fp+int8", ratio=4, head_dim=64, cap=CAP)
+    q, q_pos, full, int8, _ = make_tiers(case, 3)  # int8 holds CAP - 7 slots: no block multiple
+
+    def f(q):
+        return decode_attention(
+            q, q_pos, full=full, int8=int8, scale=0.1, backend=backend, block_k=block_k,
+            interpret=True,
+        ).out  # fmt: skip
+
+    text = str(jax.make_jaxpr(f)(q))
+    names = ("kvjax_decode_full_mgpu", "kvjax_decode_int8_mgpu")
+    return [n for n in names if n in text]
+
+
+def test_dispatch_picks_mosaic_where_it_applies_and_triton_elsewhere(monkeypatch):
+    # mosaic: the full tier (128 slots) runs Mosaic GPU, the 121-slot INT8 tier falls back
+    assert _kernels_traced("mosaic", 64) == ["kvjax_decode_full_mgpu"]
+    assert _kernels_traced("mosaic", 16) == []  # block_k 16: no Mosaic GPU block
+    kind = jax.devices()[0].device_kind
+    for tiers, want in [((), []), (("full",), ["kvjax_decode_full_mgpu"])]:
+        monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=tiers))
+        assert _kernels_traced("triton", 64) == want  # the device's Tuning decides
