@@ -78,7 +78,7 @@ def _kernel(
     num_splits: int,
     group: int,
     return_logits: bool,
-    p_in_smem: bool,
+    operands_in_smem: bool,
     cdt,
 ):
     if quantized:
@@ -86,14 +86,16 @@ def _kernel(
     o_ref, lse_ref, *refs = refs  # o [B, Hkv, S, 64, D] f32, lse [B, Hkv, S, 64] f32
     if return_logits:
         logits_ref, *refs = refs  # [B, Hkv, G, C] f32
-    q_smem, k_smem, v_smem, pos_smem, lse_smem, *refs = refs
+    if operands_in_smem:
+        q_smem, *refs = refs  # [64, D]
+    k_smem, v_smem, pos_smem, lse_smem, *refs = refs
     if quantized:
         ks_smem, vs_smem, *refs = refs  # [stages, T] f32 each
     if quantized:
         vc_smem, *refs = refs  # [T, D] cdt: the step's value codes converted
     if return_logits:
         s_smem, *refs = refs  # [64, T] f32
-    p_smem = refs.pop(0) if p_in_smem else None  # [64, T] cdt
+    p_smem = refs.pop(0) if operands_in_smem else None  # [64, T] cdt
     q_bar, k_bar, v_bar, pos_bar, *stat_bars = refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     cap = k_ref.shape[2]
@@ -107,7 +109,12 @@ def _kernel(
     col = plgpu.Layout.WGMMA.reduce(0)  # a [T] vector along the columns of a [64, T] tile
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector along the rows
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+    if operands_in_smem:  # the interpreter's wgmma reads both operands from shared memory
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        q_op = q_smem
+    else:  # q as the A operand from registers: no shared memory, room for another CTA
+        qlay = plgpu.Layout.WGMMA_8BIT if quantized else plgpu.Layout.WGMMA
+        q_op = plgpu.load(q_ref.at[b, h], layout=qlay, optimized=False)
 
     def issue_k(i, slot, when):  # keys, positions and the per-token scales of block i
         @pl.when(when)
@@ -129,7 +136,8 @@ def _kernel(
     for j in range(stages):
         issue_k(first + j, j, first + j < last)
         issue_v(first + j, j, first + j < last)
-    plgpu.barrier_wait(q_bar.at[0])
+    if operands_in_smem:
+        plgpu.barrier_wait(q_bar.at[0])
     if quantized:
         q_scale = plgpu.load(qs_ref.at[b, h], layout=row, optimized=False)
 
@@ -148,7 +156,7 @@ def _kernel(
         acc_t = jnp.int32 if quantized else jnp.float32
 
         def qk(s_ref):
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, t), acc_t))
@@ -290,8 +298,8 @@ def decode_attention_mgpu(
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, group, cap), f32))
     kdt = tier.k.dtype
-    scratch = [
-        smem_tile((ROWS, d), kdt),
+    scratch = [smem_tile((ROWS, d), kdt)] if interpret else []
+    scratch += [
         smem_tile((stages, block_k, d), kdt),
         smem_tile((stages, block_k, d), kdt),
         plgpu.SMEM((stages, block_k), jnp.int32),
@@ -316,7 +324,7 @@ def decode_attention_mgpu(
         num_splits=splits,
         group=group,
         return_logits=return_logits,
-        p_in_smem=interpret,
+        operands_in_smem=interpret,
         cdt=cdt,
     )
     outs = plgpu.kernel(
