@@ -27,6 +27,7 @@ ROWS = (
     "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
     "pallas-bf16", "pallas-bf16+logits", "pallas-int8", "pallas-int4", "pallas-int2",
     "pallas-int4-bf16stats", "pallas-int2-bf16stats",
+    "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8",
 )  # fmt: skip
 
 
@@ -56,12 +57,17 @@ def _lowbit_row(row: str) -> bool:
     return "int4" in row or "int2" in row
 
 
+def _mgpu_row(row: str) -> bool:
+    return row.startswith("mgpu-")
+
+
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
     "int8_qk": (_int8_row, "INT8"),
     "v_words": (_int8_row, "INT8"),
     "stack_pages": (_lowbit_row, "low-bit"),
     "asm_unpack": (_lowbit_row, "low-bit"),
+    "stages": (_mgpu_row, "Mosaic GPU"),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)
@@ -117,10 +123,14 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
         return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
 
-    def ours(tier, logits=False, bits=None):
+    def ours(tier, logits=False, bits=None, mgpu=False):
         def fn(q, knobs):
             knobs = knobs or {}
-            if bits is None:
+            if mgpu:
+                p = da.decode_attention_mgpu(
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
+                )
+            elif bits is None:
                 p = da.decode_attention_triton(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
@@ -142,6 +152,9 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "pallas-bf16": (ours(full), _nbytes(k, v, pos)),
         "pallas-bf16+logits": (ours(full, logits=True), _nbytes(k, v, pos)),
         "pallas-int8": (ours(int8), _nbytes(k8, v8, k8s, v8s, pos)),
+        "mgpu-bf16": (ours(full, mgpu=True), _nbytes(k, v, pos)),
+        "mgpu-bf16+logits": (ours(full, logits=True, mgpu=True), _nbytes(k, v, pos)),
+        "mgpu-int8": (ours(int8, mgpu=True), _nbytes(k8, v8, k8s, v8s, pos)),
     }
     pages = s // page
     paged = lambda x: x.reshape(b, hkv, pages, page, d).astype(jnp.float32)

@@ -35,15 +35,17 @@ case "${1:-foundation}" in
       # cuda first (the default backend), cpu for the TPU-interpreter cases' host callbacks.
       # Compiling is CPU-bound: with pytest-xdist on the image, 8 workers share the GPU
       # (no preallocation, so each takes only what its small cases need).
+      # KTESTS: test files of tests/pallas_kernels to run (default: every kernel file).
+      tests=()
+      for f in ${KTESTS:-test_decode_attention.py test_slot_write.py test_lowbit_unpack.py \
+        test_mgpu.py}; do tests+=("$OLDPWD/tests/pallas_kernels/$f"); done
       par=()
       if python3 -c "import xdist" 2>/dev/null; then par=(-n 8); fi
       (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \
         timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest -q "${par[@]}" \
         --maxfail=5 -p no:cacheprovider -p no:benchmark -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
         --continue-on-collection-errors -W ignore::pytest.PytestConfigWarning \
-        "$OLDPWD/tests/pallas_kernels/test_decode_attention.py" \
-        "$OLDPWD/tests/pallas_kernels/test_slot_write.py" \
-        "$OLDPWD/tests/pallas_kernels/test_lowbit_unpack.py" -k "not Interpret" \
+        "${tests[@]}" -k "not Interpret" \
         >"$OUT/kernel_tests.txt" 2>&1) || true
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/kernel_tests.txt" | tail -20 || true
     fi
@@ -51,7 +53,8 @@ case "${1:-foundation}" in
     # shellcheck disable=SC2086
     run bench kernel --batch ${BATCHES:-8 1} --contexts ${CONTEXTS:-16384 32768 65536} \
       --rows ${ROWS:-copy pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-int4-bf16stats \
-      pallas-int2-bf16stats pallas-bf16+logits cudnn-bf16 xla-bf16 xla-dequant-int8} \
+      pallas-int2-bf16stats pallas-bf16+logits mgpu-bf16 mgpu-int8 mgpu-bf16+logits cudnn-bf16 \
+      xla-bf16 xla-dequant-int8} \
       ${SWEEP:+--sweep $SWEEP --sweep-rows ${SWEEP_ROWS:-pallas-bf16}} --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"
     ;;

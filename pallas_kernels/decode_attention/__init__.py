@@ -13,6 +13,7 @@ from kvjax.pallas_kernels.decode_attention._api import (
     default_backend,
 )
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tpu import decode_attention_tpu
@@ -36,6 +37,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_lowbit_tpu",
     "decode_attention_lowbit_triton",
+    "decode_attention_mgpu",
     "decode_attention_reference",
     "decode_attention_tpu",
     "decode_attention_triton",

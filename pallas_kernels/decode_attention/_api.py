@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import jax
 
 from kvjax.pallas_kernels.decode_attention._combine import combine
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier
+from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 
 Array = jax.Array
-Backend = Literal["triton", "tpu"]
-BACKENDS: tuple[str, ...] = ("triton", "tpu")
+Backend = Literal["triton", "mosaic", "tpu"]
+BACKENDS: tuple[str, ...] = ("triton", "mosaic", "tpu")
 
 
 class DecodeResult(NamedTuple):
@@ -54,13 +56,16 @@ def decode_attention(
     a log-sum-exp. Args are as in `decode_attention_reference`, plus:
 
     Args:
-        backend: "triton" (GPU) or "tpu" (Mosaic TPU).
+        backend: "triton" (GPU: each dense tier runs the kernel its device's Tuning names in
+            `mgpu_tiers`, the measured-faster one, where it applies; Triton otherwise),
+            "mosaic" (GPU: the Mosaic GPU kernels wherever they apply, `mgpu_applies`; Triton
+            for the rest and for the low-bit tier) or "tpu" (Mosaic TPU).
         return_logits: also return each tier's scaled logits (for the per-slot mass).
         interpret: run the kernels in the Pallas interpreter (CPU).
         block_k: slots per loop step of every tier's kernel (default: tuned per device and tier).
         num_splits: splits per (sequence, KV head) (default: fill the chip).
     """
-    if backend == "triton":
+    if backend in ("triton", "mosaic"):
         from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton as dense
         from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
             decode_attention_lowbit_triton as packed,
@@ -76,13 +81,31 @@ def decode_attention(
     if int8 is not None and not isinstance(int8, Int8Tier):
         raise ValueError(f"decode attention: int8 must be an Int8Tier, got {type(int8).__name__}")
     knobs = dict(scale=scale, return_logits=return_logits, interpret=interpret)
+    if backend != "tpu":
+        dense = functools.partial(_gpu_dense, dense, backend=backend)
     parts = [dense(q, full, q_pos, block_k=block_k, num_splits=num_splits, **knobs)]
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, block_k=block_k, num_splits=num_splits, **knobs))
     if lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
-        paged = dict(block_k=block_k) if backend == "triton" else {}
+        paged = dict(block_k=block_k) if backend != "tpu" else {}
         parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     out, lse = combine(parts)
     logits = tuple(p.logits for p in parts) if return_logits else ()
     return DecodeResult(out, lse, logits)
+
+
+def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, **kw):
+    """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
+    device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton."""
+    from kvjax.pallas_kernels.decode_attention import _mgpu
+    from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+
+    check_query(q, q_pos)
+    check_dense(tier, q)
+    tune = tuning_for()
+    name = "int8" if isinstance(tier, Int8Tier) else "full"
+    wanted = backend == "mosaic" or name in tune.mgpu_tiers
+    if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
+        return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
+    return triton_fn(q, tier, q_pos, block_k=block_k, **kw)

@@ -31,6 +31,11 @@ class Tuning:
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
+        mgpu_block_k: slots per pipeline step of the Mosaic GPU kernels (a multiple of 64).
+        mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
+        mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
+        mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
+            Mosaic GPU kernels on this device (measured faster there); others use Triton.
     """
 
     block_k: int = 64
@@ -43,6 +48,10 @@ class Tuning:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512
+    mgpu_block_k: int = 64
+    mgpu_stages: int = 2
+    mgpu_target_programs: int = 264
+    mgpu_tiers: tuple[str, ...] = ()
 
 
 DEFAULT = Tuning()
