@@ -1,14 +1,14 @@
 """Strict JAX settings for every test, and shared fixtures.
 
-Two fake CPU devices (sharding tests), rank promotion raises, dtype promotion strict, and CPU
-computations run inline rather than dispatched asynchronously: the Pallas TPU interpreter's
-callbacks run jitted code inside a running computation, and with async dispatch that nested
-call can wait forever for a slot held by work queued behind it (docs/decisions.md).
+Eight fake CPU devices (the meshes of tests/sharding), rank promotion raises, dtype promotion
+strict, and CPU computations run inline rather than dispatched asynchronously: the Pallas TPU
+interpreter's callbacks run jitted code inside a running computation, and with async dispatch
+that nested call can wait forever for a slot held by work queued behind it (docs/decisions.md).
 """
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")  # tests compile afresh, write nothing
 

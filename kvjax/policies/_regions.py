@@ -115,6 +115,7 @@ def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache
     interpreter on CPU) instead of one XLA scatter per array and layer. Equal to
     `writes.apply(layer)` for each (layer, writes)."""
     from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots  # Triton: load on use
+    from kvjax.sharding import map_slot_writes
 
     backend = jax.default_backend()
     if backend == "tpu":
@@ -131,7 +132,8 @@ def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache
         groups.append(group(layer, w.fp, _FP_FIELDS))
         if w.int8 is not None:
             groups.append(group(layer.int8, w.int8, _INT8_FIELDS))
-    outs = iter(write_slots(*groups, interpret=backend == "cpu"))
+    # On a mesh the kernel runs per device under shard_map (kvjax.sharding.map_slot_writes).
+    outs = iter(map_slot_writes(write_slots, tuple(groups), interpret=backend == "cpu"))
     done = []
     for layer, w in plans:
         layer = layer.replace(**dict(zip(_FP_FIELDS, next(outs), strict=True)))

@@ -3,6 +3,7 @@
 
 from kvjax.sharding._axes import PARAM_AXES, Axis, Names, cache_names, layer_names, param_names
 from kvjax.sharding._hlo import collectives, large_collectives
+from kvjax.sharding._kernels import map_slot_writes
 from kvjax.sharding._place import (
     active_layout,
     bytes_per_device,
@@ -46,6 +47,7 @@ __all__ = [
     "large_collectives",
     "layer_names",
     "make_mesh",
+    "map_slot_writes",
     "param_names",
     "param_shardings",
     "resolve_layout",

@@ -55,7 +55,8 @@ class ShardingRules:
 
 
 TENSOR_PARALLEL = ShardingRules()  # batch over data; heads, MLP, vocab over model
-CONTEXT_PARALLEL = ShardingRules(slots=SEQ)  # ... and the cache's slot axis over seq
+# Batch-1 long contexts: the cache's slot axis over seq (heads, MLP, vocab still over model).
+CONTEXT_PARALLEL = ShardingRules(batch=None, slots=SEQ)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,102 @@
+"""The sharded decode step of `kvjax bench decode --mesh`: the same model step as the unsharded
+bench, traced under a mesh layout, and what its compiled HLO communicates per step."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import Cache
+from kvjax.generate import model_step
+from kvjax.models import ModelConfig, Params
+from kvjax.policies import Policy
+from kvjax.sharding import (
+    Layout,
+    ShardingRules,
+    cache_shardings,
+    collectives,
+    constrain_cache,
+    resolve_layout,
+    shard_params,
+    use_layout,
+)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """ "data=1,model=1" → {"data": 1, "model": 1}.
+
+    Raises:
+        ValueError: not comma-separated name=size pairs with sizes >= 1.
+    """
+    axes = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\d+)\s*", part)
+        if not m or int(m.group(2)) < 1 or m.group(1) in axes:
+            raise ValueError(f"--mesh must be name=size pairs like data=1,model=1, got {text!r}")
+        axes[m.group(1)] = int(m.group(2))
+    return axes
+
+
+def decode_layout(
+    config: ModelConfig, cache: Cache, mesh: jax.sharding.Mesh, rules: ShardingRules
+) -> Layout:
+    """The layout of a bench cache (its slot counts checked against a `seq` rule)."""
+    slots = []
+    for layer in cache.layers:
+        slots.append(layer.capacity)
+        slots += [layer.int8.capacity] if layer.int8 is not None else []
+        slots += [layer.lowbit.pos.shape[2]] if layer.lowbit is not None else []
+    return resolve_layout(
+        mesh,
+        rules,
+        batch=cache.length.shape[0],
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        slot_counts=tuple(slots),
+    )
+
+
+def place(layout: Layout, params: Params, cache: Cache) -> tuple[Params, Cache]:
+    """Params and cache on the layout's mesh."""
+    return shard_params(params, layout), jax.device_put(cache, cache_shardings(cache, layout))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
+def sharded_decode(
+    config: ModelConfig,
+    policy: Policy,
+    steps: int,
+    impl: str,
+    layout: Layout,
+    params: Params,
+    cache: Cache,
+    tok: jax.Array,
+):
+    """`steps` greedy decode steps (as the unsharded bench's), traced under `layout`."""
+
+    def body(_, carry):
+        cache, tok = carry
+        logits, cache = model_step(
+            config,
+            policy,
+            params,
+            cache,
+            tok[:, None],
+            jnp.ones((tok.shape[0], 1), bool),
+            implementation=impl,
+        )
+        return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+    with use_layout(layout):
+        return jax.lax.fori_loop(0, steps, body, (constrain_cache(cache), tok))
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Opcode → number of collective instructions in compiled HLO (a one-step loop: per step)."""
+    return dict(collections.Counter(op for op, _, _ in collectives(hlo_text)))
