@@ -62,6 +62,7 @@ from kvjax.eval._niah_prompt import (
     score_niah_answer,
 )
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
+from kvjax.eval._press import Pressed, press_context
 from kvjax.eval._stats import bootstrap_ci, kl_divergence, pearson, rankdata, spearman
 from kvjax.eval._trace import plot_trace
 
@@ -77,6 +78,8 @@ __all__ = [
     "NiahResult",
     "NiahTemplate",
     "PplResult",
+    "Pressed",
+    "press_context",
     "bench_decode",
     "bench_kernel",
     "build_niah_prompt",

@@ -28,6 +28,8 @@ CASES = {
     "keydiff": {"window": 2},
     "pyramidkv": {"window": 3, "observation": 4, "pool": 3, "beta": 2, "num_layers": 2},
     "chunkkv": {"window": 3, "observation": 4, "pool": 3, "chunk": 3},
+    "kvzip": {"n_sink": 2, "window": 2},
+    "expected": {"n_sink": 2, "window": 2},
 }
 NAMES = list(CASES)
 

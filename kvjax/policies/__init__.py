@@ -1,15 +1,18 @@
 """Cache policies: which tokens stay, where, and at what precision."""
 
+from kvjax.policies._append import AppendPolicy
 from kvjax.policies._base import Policy, PositionalPolicy
 from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confidence import Confidence, confidence
 from kvjax.policies._confkv import ConfKVPolicy
+from kvjax.policies._expected import ExpectedAttentionPolicy, expected_attention_scores, unrotate
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._keydiff import KeyDiffPolicy
 from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._knorm import KnormPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._kvzip import KVzipPolicy, kvzip_scores
 from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
@@ -21,18 +24,21 @@ from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
 
 __all__ = [
+    "AppendPolicy",
     "BUDGETLESS",
     "ChunkKVPolicy",
     "NEEDS_LAYERS",
     "POLICIES",
     "ConfKVPolicy",
     "Confidence",
+    "ExpectedAttentionPolicy",
     "FullPolicy",
     "H2OPolicy",
     "KIVIPolicy",
     "KeyDiffPolicy",
     "KnormPolicy",
     "KVpopPolicy",
+    "KVzipPolicy",
     "Policy",
     "PositionalPolicy",
     "PyramidKVPolicy",
@@ -44,5 +50,8 @@ __all__ = [
     "TOVAPolicy",
     "WindowPolicy",
     "confidence",
+    "expected_attention_scores",
+    "kvzip_scores",
     "make_policy",
+    "unrotate",
 ]

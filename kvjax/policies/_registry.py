@@ -8,12 +8,14 @@ from typing import Any
 from kvjax.policies._base import Policy
 from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confkv import ConfKVPolicy
+from kvjax.policies._expected import ExpectedAttentionPolicy
 from kvjax.policies._full import FullPolicy
 from kvjax.policies._h2o import H2OPolicy
 from kvjax.policies._keydiff import KeyDiffPolicy
 from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._knorm import KnormPolicy
 from kvjax.policies._kvpop import KVpopPolicy
+from kvjax.policies._kvzip import KVzipPolicy
 from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
@@ -41,6 +43,8 @@ POLICIES: dict[str, type[Policy] | functools.partial] = {
         KeyDiffPolicy,
         PyramidKVPolicy,
         ChunkKVPolicy,
+        ExpectedAttentionPolicy,
+        KVzipPolicy,
     )
 }
 # Named presets of a policy class.

@@ -1,0 +1,197 @@
+"""Compression as kvpress does it (query-agnostic, once): the whole context is prefilled and
+compressed once to (1 − ratio) × its length, then the question and the answer append without
+evicting any context token (`AppendPolicy`).
+
+Two kinds of policy:
+* *press-scored* (`kvzip`, `expected`): the context is prefilled into a full cache through the
+  public `forward`; the press's scores come from extra model passes (KVzip: reconstructing the
+  context) or the context's queries (ExpectedAttention), and the top scores per KV head are kept;
+* every other full-precision policy: the context streams through it as ONE prefill chunk, so it
+  compresses once with the whole context in view (SnapKV from the context's last window), and
+  its kept tokens move into the append-only cache.
+
+Batch 1 (as kvpress's pipeline). The timing covers every pass, the reconstruction included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import Cache, CacheSpec, init_cache
+from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
+from kvjax.models import ModelConfig, Params, forward
+from kvjax.policies import (
+    AppendPolicy,
+    ExpectedAttentionPolicy,
+    FullPolicy,
+    KVzipPolicy,
+    Policy,
+    kvzip_scores,
+    unrotate,
+)
+
+Array = jax.Array
+PRESS_SCORED = (KVzipPolicy, ExpectedAttentionPolicy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pressed:
+    """A compressed context, ready for the question.
+
+    Attributes:
+        cache: the append-only cache (kept context as a dense prefix, then `room` free slots).
+        policy: the AppendPolicy that continues it (pass it to `generate_from_cache`).
+        kept: tokens kept per KV head of each layer.
+        seconds: wall time of the prefill and compression (every pass, device synchronized).
+    """
+
+    cache: Cache
+    policy: AppendPolicy
+    kept: tuple[int, ...]
+    seconds: float
+
+
+def press_context(
+    config: ModelConfig,
+    params: Params,
+    policy: Policy,
+    context: Sequence[int],
+    *,
+    room: int,
+    reconstruct: Sequence[int] = (),
+    reconstruct_next: Sequence[int] = (),
+    suffix: Sequence[int] = (),
+    dtype=jnp.float32,
+) -> Pressed:
+    """Prefill `context` and compress it once with `policy` (its budget = tokens kept).
+
+    Args:
+        config, params: the model.
+        policy: any full-precision policy; `kvzip`/`expected` are scored by their passes.
+        context: the context's token ids (chat head included, question excluded).
+        room: free slots left after the kept context (question + answer tokens).
+        reconstruct: KVzip's first-chunk prompt ids (RECONSTRUCT_PROMPT tokenized);
+        reconstruct_next: its later-chunk prompt ids (RECONSTRUCT_CONTINUE tokenized);
+        suffix: ids between that prompt and the repeated text (the chat's assistant head).
+
+    Raises:
+        ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
+            its reconstruction prompt.
+    """
+    s = len(context)
+    if s < 1 or room < 1:
+        raise ValueError(f"press_context needs a context (got {s} tokens) and room >= 1")
+    t0 = time.perf_counter()
+    ids = jnp.asarray([list(context)], jnp.int32)
+    if isinstance(policy, PRESS_SCORED):
+        full, q, k_ctx = _full_prefill(config, params, ids, dtype)
+        if isinstance(policy, KVzipPolicy):
+            if not reconstruct:
+                raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
+            scores = _kvzip(config, params, policy, full, list(context), reconstruct,
+                            reconstruct_next or reconstruct, suffix)  # fmt: skip
+        else:
+            scores = [
+                policy.scores(unrotate(qi, jnp.arange(s)[None], config.rope_theta), ly.k, ly.v,
+                              s, config.rope_theta)
+                for qi, ly in zip(q, full.layers, strict=True)
+            ]  # fmt: skip
+        del k_ctx
+        n = min(policy.budget, s)
+        keep = [top_slots(sc, n) for sc in scores]
+        layers = full.layers
+    else:
+        spec = cache_spec_for(config, policy, batch=1, max_len=s, dtype=dtype)
+        if spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None:
+            raise ValueError(f"press mode keeps full-precision tokens; {policy.name!r} is tiered")
+        chunk = -(-s // 16) * 16
+        gen = GenerateConfig(chunk_size=chunk, max_new_tokens=1)
+        padded = jnp.zeros((1, chunk), jnp.int32).at[:, :s].set(ids)
+        cache, _ = prefill_cache(config, policy, gen, params, policy.empty_cache(spec), padded,
+                                 jnp.asarray([s], jnp.int32))  # fmt: skip
+        layers = cache.layers
+        keep = [live_slots(ly.pos) for ly in layers]
+    cache, kept = _append_cache(config, layers, keep, room, s, dtype)
+    jax.block_until_ready(cache)
+    return Pressed(cache=cache, policy=AppendPolicy(slots=tuple(k + room for k in kept)),
+                   kept=kept, seconds=time.perf_counter() - t0)  # fmt: skip
+
+
+def top_slots(scores: Array, n: int) -> Array:
+    """[B, H, n] slot indices of the n highest scores per KV head, ordered by slot (ties: the
+    lower slot)."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :n]
+    return jnp.sort(order, axis=-1)
+
+
+def live_slots(pos: Array) -> Array:
+    """[B, H, n] the occupied slots per KV head ordered by position, n = the most any head holds
+    (heads holding fewer are padded with empty slots)."""
+    n = int(jnp.max(jnp.sum(pos >= 0, axis=-1)))
+    key = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)
+    return jnp.argsort(key, axis=-1, stable=True)[..., :n]
+
+
+def _append_cache(config, layers, keep, room, length, dtype):
+    kept = tuple(int(k.shape[-1]) for k in keep)
+    spec = CacheSpec(batch=1, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                     capacities=tuple(k + room for k in kept), dtype=dtype)  # fmt: skip
+    out = []
+    for ly, idx, empty in zip(layers, keep, init_cache(spec).layers, strict=True):
+        take = lambda a, idx=idx: jnp.take_along_axis(
+            a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2
+        )
+        n = idx.shape[-1]
+        out.append(empty.replace(
+            k=empty.k.at[:, :, :n].set(take(ly.k).astype(empty.k.dtype)),
+            v=empty.v.at[:, :, :n].set(take(ly.v).astype(empty.v.dtype)),
+            pos=empty.pos.at[:, :, :n].set(take(ly.pos)),
+        ))  # fmt: skip
+    return Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32)), kept
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _full_prefill(config, params, ids, dtype):
+    """The context through the model into a full cache: (cache, queries after RoPE per layer
+    [1, S, Hq, D], keys per layer)."""
+    s = ids.shape[1]
+    full = FullPolicy()
+    cache = new_cache(config, full, batch=1, max_len=s, dtype=dtype)
+    pos = jnp.arange(s, dtype=jnp.int32)[None]
+    valid = jnp.ones((1, s), bool)
+    out = forward(config, params, ids, pos, valid, cache, return_queries=True, need_mass=False)
+    layers = full.write_layers(cache.layers, out.k_new, out.v_new, pos, valid, out.stats, None)
+    return Cache(layers=layers, length=jnp.asarray([s], jnp.int32)), out.q, out.k_new
+
+
+def _kvzip(config, params, policy, full, context, first, later, suffix):
+    """KVzip's reconstruction passes over the full cache; per layer [1, Hkv, S] scores."""
+    s = len(context)
+    scores = [jnp.zeros((1, config.num_kv_heads, s), jnp.float32) for _ in full.layers]
+    for start in range(0, s, policy.chunk):
+        stop = min(start + policy.chunk, s)
+        prompt = list(first) if start == 0 else list(later) + context[max(0, start - 8) : start]
+        tokens = jnp.asarray([prompt + list(suffix) + context[start:stop]], jnp.int32)
+        sink = min(policy.n_sink, start)
+        got = _kvzip_pass(config, params, full, tokens, start, stop, sink)
+        scores = [sc.at[:, :, start:stop].set(g) for sc, g in zip(scores, got, strict=True)]
+    return [sc.at[:, :, : policy.n_sink].set(1.0) for sc in scores]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _kvzip_pass(config, params, full, tokens, start, stop, sink):
+    t = tokens.shape[1]
+    s = full.layers[0].pos.shape[-1]
+    pos = s + jnp.arange(t, dtype=jnp.int32)[None]
+    out = forward(config, params, tokens, pos, jnp.ones((1, t), bool), full,
+                  return_queries=True, need_mass=False)  # fmt: skip
+    return [
+        kvzip_scores(q, ly.k[:, :, :sink], ly.k[:, :, start:stop], k)
+        for q, ly, k in zip(out.q, full.layers, out.k_new, strict=True)
+    ]
