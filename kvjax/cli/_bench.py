@@ -161,7 +161,7 @@ def run_decode(args: argparse.Namespace) -> int:
                 fill_chunk=min(args.fill_chunk, ctx),
                 copy_bytes=args.copy_mib << 20,
                 implementation=args.attention,
-                progress=not args.json,
+                progress=True,
                 mesh=mesh,
             )
             rows.append(dataclasses.asdict(r))

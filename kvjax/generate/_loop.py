@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
+from kvjax.generate._fit import fit_policy
 from kvjax.generate._step import cache_spec_for
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
-from kvjax.generate._validate import check_lengths, check_tokens, pad_prompts
+from kvjax.generate._validate import check_lengths, check_tokens, check_window, pad_prompts
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 from kvjax.sharding import TENSOR_PARALLEL, ShardingRules
@@ -44,6 +45,7 @@ def generate(
             by `rules` and the same loop runs as one SPMD program. None: one device.
         rules: how logical axes map onto the mesh's axes (used only with `mesh`).
     """
+    policy = fit_policy(policy, config)  # the layer count comes from the model
     lengths = check_lengths(prompts)
     tokens = pad_prompts(prompts, gen.chunk_size, gen.pad_id)
     check_tokens(tokens, lengths, config.vocab_size)
@@ -53,6 +55,7 @@ def generate(
             f"prompt + max_new_tokens = {int(lengths.max()) + gen.max_new_tokens} "
             f"exceeds the model's {config.max_positions} learned positions"
         )
+    check_window(config, int(lengths.max()) + gen.max_new_tokens)
     for s in gen.stop_tokens:
         if not 0 <= s < config.vocab_size:
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")

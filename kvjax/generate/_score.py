@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,9 @@ from flax import struct
 
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, live_slots_per_layer
+from kvjax.generate._fit import fit_policy
 from kvjax.generate._step import model_step, new_cache
+from kvjax.generate._validate import check_window
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 
@@ -26,7 +29,7 @@ Array = jax.Array
 @struct.dataclass
 class ScoreOutput:
     """Attributes:
-    nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1.
+    nll: [B, S-1] float32 negative log-likelihood of tokens 1..S-1 (0 past a row's length).
     live_slots: [S-1, B, L, 3] int32 occupied units per layer and tier when each prediction was
         made (after the token that makes it was written).
     cache: the final cache.
@@ -56,7 +59,7 @@ def _score_segment(
         tok, tgt, val = xs  # each [B, chunk]
         logits, cache = model_step(config, policy, params, cache, tok, val, implementation=impl)
         logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        nll = jnp.where(val, -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0], 0.0)
         live = live_slots_per_layer(cache)
         return cache, (nll, jnp.broadcast_to(live[:, None], (b, chunk, *live.shape[1:])))
 
@@ -78,6 +81,7 @@ def score_tokens(
     cache_dtype=None,
     implementation: Implementation = "auto",
     progress: bool = False,
+    lengths: Sequence[int] | None = None,
 ) -> ScoreOutput:
     """Teacher-forced NLL of every token after the first, through the policy's cache.
 
@@ -91,7 +95,13 @@ def score_tokens(
         cache_dtype: cache storage dtype (default: the params' dtype).
         implementation: attention implementation.
         progress: show a progress bar.
+        lengths: [B] real tokens per row, each in [2, S] (texts of different lengths,
+            right-padded); None: every row has S. Padding is never cached or scored.
+
+    Raises:
+        ValueError: bad shapes, token ids, lengths, or a policy built for another model.
     """
+    policy = fit_policy(policy, config)
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:
         tokens = tokens[None]
@@ -108,13 +118,20 @@ def score_tokens(
         raise ValueError(
             f"{tokens.shape[1]} tokens exceed the model's {config.max_positions} learned positions"
         )
+    check_window(config, tokens.shape[1])
     b, s = tokens.shape
+    lengths = np.full((b,), s, np.int64) if lengths is None else np.asarray(lengths, np.int64)
+    if lengths.shape != (b,) or lengths.min() < 2 or lengths.max() > s:
+        raise ValueError(
+            f"lengths must be {b} numbers in [2, {s}] (one per row of tokens), got {lengths}"
+        )
     n = s - 1  # predictions
     n_pad = math.ceil(n / segment) * segment
     inp = np.zeros((b, n_pad), np.int32)
     tgt = np.zeros((b, n_pad), np.int32)
     val = np.zeros((b, n_pad), bool)
-    inp[:, :n], tgt[:, :n], val[:, :n] = tokens[:, :-1], tokens[:, 1:], True
+    inp[:, :n], tgt[:, :n] = tokens[:, :-1], tokens[:, 1:]
+    val[:, :n] = np.arange(n)[None, :] < (lengths[:, None] - 1)
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype)
     nlls, lives = [], []

@@ -6,11 +6,13 @@ These are the pure building blocks for users who write their own jitted loops; `
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, CacheSpec
+from kvjax.generate._fit import fit_policy
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
 from kvjax.sharding import constrain_cache
@@ -47,6 +49,13 @@ def model_step(
         logits [B, T, V] float32 and the updated cache. Pass the cache with
         `donate_argnums` when calling this under your own jit so it is updated in place.
     """
+    policy = fit_policy(policy, config)
+    try:  # shapes are static, so this also runs (once, at trace time) under jit
+        chex.assert_rank([tokens, valid], 2)
+        chex.assert_equal_shape([tokens, valid])
+        chex.assert_type([tokens, valid], [int, bool])
+    except AssertionError as e:
+        raise ValueError(f"model_step: tokens and valid must be [B, T] int and bool: {e}") from None
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if query_weight is None:
@@ -79,7 +88,12 @@ def cache_spec_for(
     config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype
 ) -> CacheSpec:
     """The cache `policy` needs for this model and `batch` sequences of at most `max_len`
-    tokens."""
+    tokens.
+
+    Raises:
+        ValueError: the policy was built for another layer count (see `fit_policy`).
+    """
+    policy = fit_policy(policy, config)
     return policy.cache_spec(
         batch=batch,
         num_layers=config.num_layers,
@@ -92,6 +106,7 @@ def cache_spec_for(
 
 def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
     """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
+    policy = fit_policy(policy, config)
     return policy.empty_cache(
         cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
     )

@@ -37,3 +37,14 @@ def check_tokens(tokens: np.ndarray, lengths: np.ndarray, vocab_size: int) -> No
             f"token id {int(tokens[b, t])} at prompt {b}, position {t} is out of "
             f"range [0, {vocab_size})"
         )
+
+
+def check_window(config, total: int) -> None:
+    """Raise ValueError when `total` tokens exceed the model's sliding attention window: kvjax
+    attends to every cached token, which equals windowed attention only within the window."""
+    w = config.sliding_window
+    if w is not None and total > w:
+        raise ValueError(
+            f"{total} tokens exceed the model's sliding attention window of {w} tokens; kvjax "
+            f"runs sliding-window models exactly only up to it (shorten the input to <= {w})"
+        )

@@ -8,6 +8,7 @@ from kvjax.models._config import (
     TINY_LLAMA,
     Arch,
     ModelConfig,
+    RopeScaling,
 )
 from kvjax.models._forward import ForwardOutput, forward
 from kvjax.models._params import (
@@ -33,6 +34,7 @@ __all__ = [
     "LlamaParams",
     "ModelConfig",
     "Params",
+    "RopeScaling",
     "forward",
     "init_params",
 ]

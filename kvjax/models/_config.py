@@ -6,6 +6,44 @@ import dataclasses
 import enum
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling for context extension (Hugging Face's `rope_scaling`).
+
+    Attributes:
+        kind: "llama3" (Llama 3.1/3.2: long wavelengths divided by `factor`, short ones kept,
+            a smooth blend between) or "linear" (every frequency divided by `factor`).
+        factor: how much longer the context is than the pretraining one (>= 1).
+        low_freq_factor: llama3: wavelengths above original_max_positions / low_freq_factor
+            are scaled fully.
+        high_freq_factor: llama3: wavelengths below original_max_positions / high_freq_factor
+            are kept (> low_freq_factor).
+        original_max_positions: llama3: the pretraining context length.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling.kind must be 'llama3' or 'linear', got {self.kind!r}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+        if self.original_max_positions < 1:
+            raise ValueError(
+                f"RopeScaling.original_max_positions must be >= 1, got "
+                f"{self.original_max_positions}"
+            )
+
+
 class Arch(enum.StrEnum):
     """Model families kvjax implements."""
 
@@ -32,6 +70,10 @@ class ModelConfig:
         attn_bias: q/k/v projections carry biases (Qwen2).
         max_positions: learned position table size (GPT-2); RoPE models ignore it.
         name: a label for tables.
+        rope_scaling: RoPE frequency scaling (Llama 3.1 style); None = plain RoPE.
+        sliding_window: W, each query attends to its last W tokens only (Mistral v0.1); None =
+            full attention. kvjax runs such a model exactly on sequences of at most W tokens and
+            refuses longer ones (ValueError), rather than attending past the window.
     """
 
     arch: Arch
@@ -48,6 +90,8 @@ class ModelConfig:
     attn_bias: bool = False
     max_positions: int = 0
     name: str = ""
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for field in (
@@ -66,6 +110,8 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
         if self.arch == Arch.GPT2 and self.max_positions <= 0:
             raise ValueError("ModelConfig.max_positions must be > 0 for GPT-2 (learned positions)")
 

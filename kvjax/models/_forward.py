@@ -77,12 +77,13 @@ def _split_heads(x: Array, h: int, d: int) -> Array:
 
 def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    rope = (config.rope_theta, config.rope_scaling)
     x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
     ks, vs, stats, qs = [], [], [], []
     for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
         h = rms_norm(x, lp.attn_norm, config.norm_eps)
-        q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, config.rope_theta)
-        k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, config.rope_theta)
+        q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
+        k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
         v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
         k = k.astype(layer_cache.k.dtype)
         v = v.astype(layer_cache.v.dtype)

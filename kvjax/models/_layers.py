@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from kvjax._numerics import einsum_f32
+from kvjax.models._config import RopeScaling
 
 Array = jax.Array
 
@@ -31,16 +34,47 @@ def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
     return (y * _expand(weight, y) + _expand(bias, y)).astype(x.dtype)
 
 
-def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Array:
+    """[D/2] float32 inverse frequencies of RoPE, with Llama-3.1 ("llama3") or linear scaling.
+
+    llama3 (as transformers' `_compute_llama3_parameters`): with wavelength λ = 2π / f and
+    L0 = original_max_positions, frequencies with λ < L0 / high_freq_factor are kept, those with
+    λ > L0 / low_freq_factor are divided by `factor`, and the band between blends the two with
+    s = (L0 / λ − low_freq_factor) / (high_freq_factor − low_freq_factor):
+    f' = (1 − s) · f / factor + s · f.
+    """
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    old = float(scaling.original_max_positions)
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2.0 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1.0 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, blended, scaled)
+
+
+def apply_rope(
+    x: Array, positions: Array, theta: float, scaling: RopeScaling | None = None
+) -> Array:
     """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama.
 
     Args:
         x: [B, T, H, D].
         positions: [B, T] int32 original token positions.
         theta: RoPE base.
+        scaling: frequency scaling (None: plain RoPE).
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    inv_freq = rope_frequencies(d, theta, scaling)  # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
     cos = jnp.cos(ang)[:, :, None, :]
     sin = jnp.sin(ang)[:, :, None, :]

@@ -38,7 +38,9 @@ class ConfKVPolicy(RankedPolicy):
         fp_window: W, newest tokens kept in full precision when int8 is on (ours: 64).
         int8: store retained tokens older than W in INT8 (per token and KV head).
         pyramid: CONF-KV-L slope α: layer l gets budget · (1 + α (1 − 2l/(L−1))); 0 = flat.
-        num_layers: L, needed for pyramid budgets (set by the caller / CLI).
+        num_layers: L, the model's layer count, for pyramid budgets. None (the default): taken
+            from the model by the generate loop / `new_cache`; a count that differs from the
+            model's is refused there (ValueError).
     """
 
     name = "confkv"
@@ -52,7 +54,7 @@ class ConfKVPolicy(RankedPolicy):
     fp_window: int = 64
     int8: bool = True
     pyramid: float = 0.0
-    num_layers: int = 1
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,7 +65,7 @@ class ConfKVPolicy(RankedPolicy):
             ("protected", self.protected >= 1, ">= 1"),
             ("fp_window", self.fp_window >= 1, ">= 1"),
             ("pyramid", 0 <= self.pyramid < 1, "[0, 1)"),
-            ("num_layers", self.num_layers >= 1, ">= 1"),
+            ("num_layers", self.num_layers is None or self.num_layers >= 1, ">= 1 or None"),
         ]
         for field, ok, allowed in checks:
             if not ok:
@@ -74,12 +76,15 @@ class ConfKVPolicy(RankedPolicy):
             raise ValueError(
                 f"ConfKVPolicy.weights must be 3 non-negative numbers, got {self.weights}"
             )
-        for li in range(self.num_layers):
+        # Unknown layer count: check the smallest layer any pyramid of >= 2 layers has.
+        layers = range(self.num_layers) if self.num_layers else (None,)
+        for li in layers:
             tight = self._tight(li)
+            where = "the deepest layer" if li is None else f"layer {li}"
             if tight - self.ring < 1:
                 raise ValueError(
                     f"ConfKVPolicy: budget {self.budget} is too small — the tight budget "
-                    f"{tight} (layer {li}) must exceed the protected window {self.ring} "
+                    f"{tight} ({where}) must exceed the protected window {self.ring} "
                     f"(protected={self.protected}, fp_window={self.fp_window if self.int8 else 0})"
                 )
         self._check()
@@ -88,9 +93,18 @@ class ConfKVPolicy(RankedPolicy):
     def ring(self) -> int:
         return max(self.protected, self.fp_window) if self.int8 else self.protected
 
-    def _scale(self, layer_index: int) -> float:
+    def _scale(self, layer_index: int | None) -> float:
+        """Budget scale of a layer; None = the deepest layer (the smallest budget)."""
         if self.pyramid == 0 or self.num_layers == 1:
             return 1.0
+        if layer_index is None or (self.num_layers is None and layer_index == 0):
+            # The first and deepest layers' scales do not depend on the layer count.
+            return 1.0 + self.pyramid * (-1.0 if layer_index is None else 1.0)
+        if self.num_layers is None:
+            raise ValueError(
+                "ConfKVPolicy.num_layers is None: pyramid budgets need the model's layer count "
+                "(kvjax.generate, new_cache and model_step fill it in; or set num_layers)"
+            )
         return 1.0 + self.pyramid * (1.0 - 2.0 * layer_index / (self.num_layers - 1))
 
     def max_budget(self, layer_index: int) -> int:

@@ -50,7 +50,9 @@ def make_policy(
     Args:
         name: one of POLICIES.
         budget: tokens kept per KV head per layer; required by every policy except `full`.
-        num_layers: the model's layer count (used by per-layer budgets, e.g. confkv-l).
+        num_layers: the model's layer count (per-layer budgets, e.g. confkv-l). None: the
+            policy takes it from the model when it runs (`kvjax.generate`, `new_cache`,
+            `model_step`); a policy built for another layer count is refused there.
         **kwargs: the policy's other hyperparameters.
 
     Raises:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
-from kvjax.models._config import Arch, ModelConfig
+from kvjax.models._config import Arch, ModelConfig, RopeScaling
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GPT2_MODEL_TYPES = ("gpt2",)
@@ -38,15 +39,57 @@ def _require(raw: dict[str, Any], key: str, source: pathlib.Path) -> Any:
     return raw[key]
 
 
-def _rope_theta(raw: dict[str, Any], source: pathlib.Path) -> float:
-    # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` + `rope_scaling`.
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+def _transformers_config(raw: dict[str, Any], source: pathlib.Path):
+    """transformers' own parse of a llama-family config.json (no torch needed): it fills
+    defaults and standardizes RoPE settings (legacy `rope_scaling` / `rope_theta` and the
+    newer `rope_parameters` alike) and validates them."""
+    # transformers announces at import that torch is absent; kvjax needs only its configs.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    try:
+        return AutoConfig.for_model(raw["model_type"], **fields)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{source}: transformers rejects this config: {e}") from None
+
+
+def _rope(hf, source: pathlib.Path) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from transformers' standardized `rope_parameters`."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{source}: per-layer-type RoPE parameters are not supported")
+    theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear"):
         raise ValueError(
-            f"{source}: RoPE scaling type {rope_type!r} is not supported (only plain RoPE)"
+            f"{source}: RoPE scaling type {kind!r} is not supported (default, linear, llama3)"
         )
-    return float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    args: dict[str, Any] = {"kind": kind, "factor": float(rope["factor"])}
+    if kind == "llama3":
+        args |= {
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_positions": int(rope["original_max_position_embeddings"]),
+        }
+    return theta, RopeScaling(**args)
+
+
+def _sliding_window(hf, source: pathlib.Path) -> int | None:
+    """The attention window of every layer, None for full attention; mixed layers are refused."""
+    window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_sliding_window", True) is False or window is None:
+        return None
+    kinds = set(getattr(hf, "layer_types", None) or ["sliding_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ValueError(
+            f"{source}: layers mixing sliding-window and full attention are not supported"
+        )
+    return int(window)
 
 
 def _llama_config(raw: dict[str, Any], source: pathlib.Path, name: str) -> ModelConfig:
@@ -59,6 +102,8 @@ def _llama_config(raw: dict[str, Any], source: pathlib.Path, name: str) -> Model
         )
     hidden = int(_require(raw, "hidden_size", source))
     num_heads = int(_require(raw, "num_attention_heads", source))
+    hf = _transformers_config(raw, source)
+    theta, scaling = _rope(hf, source)
     return ModelConfig(
         arch=Arch.LLAMA,
         vocab_size=int(_require(raw, "vocab_size", source)),
@@ -68,7 +113,9 @@ def _llama_config(raw: dict[str, Any], source: pathlib.Path, name: str) -> Model
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw.get("head_dim") or hidden // num_heads),
         intermediate_size=int(_require(raw, "intermediate_size", source)),
-        rope_theta=_rope_theta(raw, source),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_window=_sliding_window(hf, source),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attn_bias=model_type == "qwen2",

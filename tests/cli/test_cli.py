@@ -14,7 +14,7 @@ def run(capsys, *argv):
 
 
 def test_generate_chat_answers_paris(capsys):
-    code, out, _ = run(
+    code, out, err = run(
         capsys,
         "generate",
         "--chat",
@@ -30,6 +30,8 @@ def test_generate_chat_answers_paris(capsys):
     res = json.loads(out)
     assert "Paris" in res["text"]
     assert res["new_ids"] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # transformers golden
+    assert res["text"] == "The capital of France is Paris."  # without <|im_end|> (id 2)
+    assert "[kvjax] loading" in err and "[kvjax] generating" in err  # progress, also with --json
     assert res["live_kv_bytes"] > 0
 
 

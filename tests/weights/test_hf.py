@@ -156,10 +156,17 @@ def test_unknown_model_type(tmp_path, goldens):
         load_hf_dir(folder)
 
 
-def test_rope_scaling_refused(tmp_path, goldens):
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}, "RoPE scaling type 'yarn'"),
+        ({"rope_type": "llama3", "rope_theta": 5e5}, "transformers rejects.*factor"),
+    ],
+)
+def test_unsupported_or_incomplete_rope_scaling_refused(tmp_path, goldens, rope, message):
     folder = copy_tiny(goldens / "llama_tiny", tmp_path)
-    edit_config(folder, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
-    with pytest.raises(ValueError, match="RoPE scaling type 'llama3'"):
+    edit_config(folder, rope_parameters=rope)
+    with pytest.raises(ValueError, match=message):
         load_hf_dir(folder)
 
 

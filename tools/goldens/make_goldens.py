@@ -17,9 +17,14 @@ Outputs (all under ``tests/goldens/``):
     smollm2_ppl.json          perplexity over the first 2048 tokens of avg.txt
     smollm2_tokenizer.json    tokenizer round-trips for tricky strings + special ids
     smollm2_chat_greedy.json  chat-template rendering and greedy generation
-    gpt2_tiny/  llama_tiny/  qwen2_tiny/
+    gpt2_tiny/  llama_tiny/  qwen2_tiny/  llama31_tiny/
                               random-init tiny models (config.json +
-                              model.safetensors) and golden.npz with logits
+                              model.safetensors) and golden.npz with logits;
+                              llama31_tiny has Llama-3.1 ("llama3") RoPE
+                              scaling and 96-token inputs, past its
+                              original_max_position_embeddings of 64
+
+``--only llama31_tiny`` writes just that folder (no GGUF or essays needed).
 """
 
 from __future__ import annotations
@@ -330,7 +335,7 @@ def perturb(model: torch.nn.Module) -> None:
                 p.add_(0.1 * torch.randn_like(p))  # around 0.0
 
 
-def tiny_model(name: str, model_cls, config) -> None:
+def tiny_model(name: str, model_cls, config, seq_len: int = 16) -> None:
     """Build, perturb, save (HF layout, fp32 safetensors) and write golden.npz."""
     torch.manual_seed(SEED)
     config._attn_implementation = ATTN_IMPL
@@ -347,7 +352,7 @@ def tiny_model(name: str, model_cls, config) -> None:
     ).eval()
 
     gen = torch.Generator().manual_seed(SEED + 1)
-    input_ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+    input_ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=gen)
     with torch.no_grad():
         logits = model(input_ids).logits.float()
 
@@ -432,6 +437,35 @@ def make_tiny_models() -> None:
     tiny_model("llama_tiny", LlamaForCausalLM, LlamaConfig(**common, tie_word_embeddings=False))
     # Qwen2 has q/k/v biases; perturb() makes them random and nonzero.
     tiny_model("qwen2_tiny", Qwen2ForCausalLM, Qwen2Config(**common, tie_word_embeddings=True))
+    make_llama31_tiny()
+
+
+def make_llama31_tiny() -> None:
+    """Llama-3.1 RoPE scaling on a tiny model. With head_dim 16 and theta 5e5 the 8 wavelengths
+    are 6.3, 32.6, 169, ... tokens; with original_max_position_embeddings 64, low 1 and high 4
+    the first is kept (< 16), the second blended (16..64) and the rest divided by the factor
+    (> 64), so every branch of the scaling is exercised, over 96 positions."""
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,
+    )
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    tiny_model("llama31_tiny", LlamaForCausalLM, LlamaConfig(**common, rope_parameters=rope), 96)
 
 
 # ----------------------------------------------------------------------------
@@ -442,6 +476,9 @@ def make_tiny_models() -> None:
 def main() -> None:
     set_determinism()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:] == ["--only", "llama31_tiny"]:
+        make_llama31_tiny()
+        return
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     print(f"{versions}, numpy {np.__version__}")
 

@@ -1,0 +1,38 @@
+"""Fit a policy to a model: the layer count always comes from the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.models import ModelConfig
+from kvjax.policies import Policy
+
+
+def fit_policy(policy: Policy, config: ModelConfig) -> Policy:
+    """`policy` with its per-layer settings taken from `config`.
+
+    A policy with a `num_layers` field (per-layer budgets, e.g. CONF-KV-L) left None gets the
+    model's layer count; one built for another count is refused, since its per-layer budgets
+    would be laid out for a different model. Policies without the field are returned as they are.
+
+    Raises:
+        TypeError: `policy` is not a `kvjax.policies.Policy`.
+        ValueError: `policy.num_layers` differs from `config.num_layers`.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be a kvjax.policies.Policy (e.g. make_policy('h2o', 256)), "
+            f"got {type(policy).__name__}"
+        )
+    if "num_layers" not in {f.name for f in dataclasses.fields(policy)}:
+        return policy
+    layers = policy.num_layers
+    if layers is None:
+        return dataclasses.replace(policy, num_layers=config.num_layers)
+    if layers != config.num_layers:
+        raise ValueError(
+            f"{type(policy).__name__}.num_layers is {layers} but the model "
+            f"{config.name or ''} has {config.num_layers} layers; leave num_layers unset (None) "
+            "and the policy takes the model's"
+        )
+    return policy
