@@ -52,6 +52,12 @@ class DecodeBench:
     peak_device_bytes: int | None  # the device allocator's peak so far (None where unreported)
     fill_s: float  # wall time of the synthetic fill (its compile included)
     first_call_s: float  # wall time of the first decode loop call (compile + `steps` steps)
+    # --mesh runs only: the mesh, each device's live / physical K/V bytes and the collectives of
+    # one compiled decode step (opcode -> instructions), read from its HLO.
+    mesh: str | None = None
+    live_kv_bytes_per_device: list[int] | None = None
+    physical_kv_bytes_per_device: list[int] | None = None
+    collectives_per_step: dict[str, int] | None = None
 
 
 def _random_stats(layer, key: jax.Array, b: int, t: int) -> AttnStats:
@@ -317,9 +323,11 @@ def bench_decode(
     fill_chunk: int = 512,
     copy_bytes: int = 1 << 28,
     progress: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeBench:
     """Time `steps` decode steps after filling the cache to `context` tokens (progress: a bar
-    of the fill and a line per phase on stderr)."""
+    of the fill and a line per phase on stderr). With `mesh`, the same steps run sharded
+    (`kvjax.sharding.TENSOR_PARALLEL`; the fill runs unsharded, then the cache is placed)."""
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
@@ -336,6 +344,15 @@ def bench_decode(
     kv_phys = physical_bytes(cache)
     tok = jnp.zeros((batch,), jnp.int32)
     step = lambda s: _decode(config, policy, steps, implementation, params, *s)
+    sharded = {}
+    if mesh is not None:
+        from kvjax.eval._bench_mesh import sharded_step
+
+        step, params, cache, tok, sharded = sharded_step(
+            config, policy, steps, implementation, mesh, params, cache, tok
+        )
+        if progress:
+            say(f"mesh {sharded['mesh']}: collectives per step {sharded['collectives_per_step']}")
     (cache, tok), (first_s, sec) = call_seconds(step, (cache, tok))
     sec /= steps
     if progress:
@@ -366,4 +383,5 @@ def bench_decode(
         peak_device_bytes=peak,
         fill_s=fill_s,
         first_call_s=first_s,
+        **sharded,
     )

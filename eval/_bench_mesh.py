@@ -9,14 +9,20 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
-from kvjax.cache import Cache
+from kvjax.cache import Cache, layer_slot_bytes
 from kvjax.generate import model_step
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 from kvjax.sharding import (
+    TENSOR_PARALLEL,
+    Axis,
     Layout,
+    Names,
     ShardingRules,
+    bytes_per_device,
     cache_shardings,
     collectives,
     constrain_cache,
@@ -100,3 +106,46 @@ def sharded_decode(
 def collective_counts(hlo_text: str) -> dict[str, int]:
     """Opcode → number of collective instructions in compiled HLO (a one-step loop: per step)."""
     return dict(collections.Counter(op for op, _, _ in collectives(hlo_text)))
+
+
+def sharded_step(config, policy, steps, impl, mesh, params, cache, tok):
+    """The bench's decode loop on `mesh`: (step function, placed params, cache and token, the
+    DecodeBench fields of a mesh run). The step's first call compiles, as the unsharded bench's
+    does; the collectives come from one more compilation of the same loop, read as HLO text."""
+    layout = decode_layout(config, cache, mesh, TENSOR_PARALLEL)
+    params, cache = place(layout, params, cache)
+    rows = NamedSharding(layout.mesh, layout.spec(Names((Axis.BATCH,))))
+    tok = jax.device_put(tok, rows)
+    hlo = sharded_decode.lower(config, policy, steps, impl, layout, params, cache, tok)
+    fields = dict(
+        mesh=",".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        live_kv_bytes_per_device=live_bytes_per_device(cache),
+        physical_kv_bytes_per_device=physical_bytes_per_device(cache),
+        collectives_per_step=collective_counts(hlo.compile().as_text()),
+    )
+    step = lambda s: sharded_decode(config, policy, steps, impl, layout, params, *s)
+    return step, params, cache, tok, fields
+
+
+def physical_bytes_per_device(cache: Cache) -> list[int]:
+    """Bytes of the cache tiers on each device of the placed cache (device order)."""
+    held = bytes_per_device(cache.layers)
+    return [held[k] for k in sorted(held)]
+
+
+def live_bytes_per_device(cache: Cache) -> list[int]:
+    """Live K/V bytes (occupied slots and held pages, with their scales) on each device of
+    the placed cache (device order), counted from each device's own shards."""
+    held: dict[int, int] = collections.Counter()
+
+    def count(flags, unit_bytes: int) -> None:
+        for shard in flags.addressable_shards:
+            held[shard.device.id] += int(np.count_nonzero(np.asarray(shard.data))) * unit_bytes
+
+    for layer in cache.layers:
+        count(layer.pos >= 0, layer_slot_bytes(layer)[0])
+        if layer.int8 is not None:
+            count(layer.int8.pos >= 0, layer.int8.slot_bytes())
+        if layer.lowbit is not None:
+            count(layer.lowbit.held, layer.lowbit.page_bytes())
+    return [held[k] for k in sorted(held)]

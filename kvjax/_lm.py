@@ -13,6 +13,7 @@ from typing import Any
 import chex
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from kvjax._budget import resolve_policy
@@ -47,12 +48,14 @@ class LM:
         tokenizer: Tokenizer | None,
         source: str = "",
         implementation: Implementation = "auto",
+        mesh: Mesh | None = None,
     ) -> None:
         self.config = config
-        self.params = params
+        self.params = params if mesh is None else _place(config, params, mesh)
         self.tokenizer = tokenizer
         self.source = source
         self.implementation = implementation
+        self.mesh = mesh
 
     def __repr__(self) -> str:
         name = self.config.name or self.config.arch
@@ -64,6 +67,13 @@ class LM:
 
         Every method goes through here, so sharding (a mesh) is added in this one place.
         """
+        if self.mesh is not None:
+            if fn is not generate:
+                raise ValueError(
+                    f"{fn.__name__} does not run on a mesh yet (only generate does); "
+                    "load the model without mesh= to score text"
+                )
+            kwargs["mesh"] = self.mesh
         return fn(self.config, self.params, tokens, **kwargs)
 
     def _policy(self, policy, budget, compression, prompt_tokens: int) -> Policy:
@@ -285,6 +295,7 @@ def load(
     *,
     dtype: DTypeLike = jnp.float32,
     implementation: Implementation = "auto",
+    mesh: Mesh | None = None,
 ) -> LM:
     """Load a model for text generation and scoring.
 
@@ -295,6 +306,8 @@ def load(
         dtype: weights dtype (e.g. `jnp.float32`, `jnp.bfloat16` or "bfloat16"); the cache's
             full-precision tier uses it too.
         implementation: attention implementation ("auto", "xla", or a Pallas variant).
+        mesh: generate sharded over this device mesh (`kvjax.sharding.make_mesh(data=...,
+            model=...)`, docs/sharding.md); the params are placed on it once, here.
 
     Raises:
         FileNotFoundError: nothing at `model`.
@@ -313,4 +326,23 @@ def load(
         tokenizer=loaded.tokenizer,
         source=loaded.source,
         implementation=implementation,
+        mesh=mesh,
     )
+
+
+def _place(config: ModelConfig, params: Params, mesh: Mesh) -> Params:
+    """Params on `mesh` by the default rules (as `generate(..., mesh=)` would place them on
+    every call; placed once, each call's placement is a no-op)."""
+    from kvjax.sharding import TENSOR_PARALLEL, resolve_layout, shard_params
+
+    data = mesh.shape.get(TENSOR_PARALLEL.batch, 1)
+    layout = resolve_layout(
+        mesh,
+        TENSOR_PARALLEL,
+        batch=data,  # the batch is per call; param shardings do not depend on it
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+    )
+    return shard_params(params, layout)

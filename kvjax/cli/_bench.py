@@ -35,6 +35,13 @@ def register(sub) -> None:
         choices=list(IMPLEMENTATIONS),
         help="attention implementation (auto: Pallas on GPU/TPU, XLA on CPU)",
     )
+    d.add_argument(
+        "--mesh",
+        default=None,
+        metavar="AXIS=N,...",
+        help="run the decode steps sharded over a device mesh, e.g. data=1,model=1 (axes data, "
+        "model; docs/sharding.md); adds per-device KV bytes and the collectives per step",
+    )
     d.add_argument("--json", action="store_true")
     d.add_argument("--out", default=None, help="also write JSON here")
     d.set_defaults(func=run_decode)
@@ -133,6 +140,12 @@ def run_decode(args: argparse.Namespace) -> int:
             )
         config = by_lower[args.preset.lower()]
         params = init_params(config, jax.random.key(0), dtype=dtype)
+    mesh = None
+    if args.mesh is not None:
+        from kvjax.eval._bench_mesh import parse_mesh
+        from kvjax.sharding import make_mesh
+
+        mesh = make_mesh(**parse_mesh(args.mesh))  # ValueError: exit 2 with its line
     rows = []
     for name in args.policy:
         policy = build_policy(name, args, config.num_layers)
@@ -149,6 +162,7 @@ def run_decode(args: argparse.Namespace) -> int:
                 copy_bytes=args.copy_mib << 20,
                 implementation=args.attention,
                 progress=True,
+                mesh=mesh,
             )
             rows.append(dataclasses.asdict(r))
             if not args.json:
@@ -157,5 +171,11 @@ def run_decode(args: argparse.Namespace) -> int:
                     f"{r.tokens_per_s:9.1f} tok/s, policy alone {r.policy_ms_per_step:.3f} ms",
                     flush=True,
                 )
+                if r.mesh is not None:
+                    print(
+                        f"{'':>10} mesh {r.mesh}: live KV per device "
+                        f"{r.live_kv_bytes_per_device} B, collectives {r.collectives_per_step}",
+                        flush=True,
+                    )
     emit(rows, as_json=args.json, title="decode benchmark", out=args.out)
     return 0

@@ -64,7 +64,7 @@ def generate(
     if mesh is not None:
         from kvjax.generate._sharded import generate_sharded
 
-        args = (params, tokens, lengths, jax.random.key(seed))
+        args = (params, tokens, lengths, seed)
         return generate_sharded(config, policy, gen, spec, mesh, rules, *args)
     return _generate(
         config,

@@ -19,6 +19,7 @@ from kvjax.sharding import (
     Layout,
     ShardingRules,
     constrain_cache,
+    place_global,
     resolve_layout,
     shard_params,
     use_layout,
@@ -63,13 +64,18 @@ def generate_sharded(
     params: Params,
     tokens: np.ndarray,
     lengths: np.ndarray,
-    key: Array,
+    seed: int,
 ) -> GenerateOutput:
-    """`generate`'s jitted core on `mesh` (arguments already validated by `generate`)."""
+    """`generate`'s jitted core on `mesh` (arguments already validated by `generate`). Every
+    process of a multi-controller run calls it with the same arguments."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32) on a mesh, got {seed}")
     layout = layout_for(config, spec, mesh, rules)
     params = shard_params(params, layout)
     tokens, lengths = place_rows(tokens, layout), place_rows(lengths, layout)
-    return _generate_on(config, policy, gen, spec, layout, params, tokens, lengths, key)
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    seed = place_global(np.asarray(seed, np.uint32), replicated)  # the key is made inside
+    return _generate_on(config, policy, gen, spec, layout, params, tokens, lengths, seed)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -82,8 +88,9 @@ def _generate_on(
     params: Params,
     tokens: Array,
     lengths: Array,
-    key: Array,
+    seed: Array,
 ) -> GenerateOutput:
+    key = jax.random.key(seed)
     with use_layout(layout):
         cache = constrain_cache(policy.empty_cache(spec))  # allocated sharded, never gathered
         out = prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]

@@ -10,6 +10,7 @@ from kvjax.sharding._place import (
     cache_shardings,
     constrain_cache,
     param_shardings,
+    place_global,
     shard_params,
     use_layout,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "map_slot_writes",
     "param_names",
     "param_shardings",
+    "place_global",
     "resolve_layout",
     "shard_params",
     "use_layout",

@@ -53,8 +53,22 @@ def cache_shardings(cache: Cache, layout: Layout) -> Any:
 
 
 def shard_params(params: Any, layout: Layout) -> Any:
-    """`params` placed on the layout's mesh (a no-op for arrays already placed so)."""
-    return jax.device_put(params, param_shardings(params, layout))
+    """`params` placed on the layout's mesh (a no-op for arrays already placed so). With several
+    processes every process passes the same full params and keeps its devices' shards."""
+    return place_global(params, param_shardings(params, layout))
+
+
+def place_global(tree: Any, shardings: Any) -> Any:
+    """`tree` on `shardings`: `device_put` in one process; with several (multi-controller),
+    each process builds its addressable shards from its own full host copy."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def build(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(build, tree, shardings)
 
 
 def constrain_cache(cache: Cache, layout: Layout | None = None) -> Cache:
