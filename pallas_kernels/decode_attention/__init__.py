@@ -1,8 +1,9 @@
 """Decode attention over kvjax's mixed-precision cache tiers (GQA, split-K, fused dequantization).
 
 `decode_attention` runs every tier through its kernel and combines them; the per-backend kernels
-(`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_tpu`,
-`decode_attention_lowbit_tpu`) and the plain-jnp `decode_attention_reference` are public too.
+(`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_mgpu` (Mosaic
+GPU, full and INT8 tiers), `decode_attention_tpu`, `decode_attention_lowbit_tpu`) and the
+plain-jnp `decode_attention_reference` are public too.
 """
 
 from kvjax.pallas_kernels.decode_attention._api import (

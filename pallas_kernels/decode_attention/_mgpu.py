@@ -78,7 +78,8 @@ def _kernel(
     num_splits: int,
     group: int,
     return_logits: bool,
-    operands_in_smem: bool,
+    p_in_smem: bool,
+    q_in_smem: bool,
     cdt,
 ):
     if quantized:
@@ -86,7 +87,7 @@ def _kernel(
     o_ref, lse_ref, *refs = refs  # o [B, Hkv, S, 64, D] f32, lse [B, Hkv, S, 64] f32
     if return_logits:
         logits_ref, *refs = refs  # [B, Hkv, G, C] f32
-    if operands_in_smem:
+    if q_in_smem:
         q_smem, *refs = refs  # [64, D]
     k_smem, v_smem, pos_smem, lse_smem, *refs = refs
     if quantized:
@@ -95,7 +96,7 @@ def _kernel(
         vc_smem, *refs = refs  # [T, D] cdt: the step's value codes converted
     if return_logits:
         s_smem, *refs = refs  # [64, T] f32
-    p_smem = refs.pop(0) if operands_in_smem else None  # [64, T] cdt
+    p_smem = refs.pop(0) if p_in_smem else None  # [64, T] cdt
     q_bar, k_bar, v_bar, pos_bar, *stat_bars = refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     cap = k_ref.shape[2]
@@ -109,7 +110,7 @@ def _kernel(
     col = plgpu.Layout.WGMMA.reduce(0)  # a [T] vector along the columns of a [64, T] tile
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector along the rows
 
-    if operands_in_smem:  # the interpreter's wgmma reads both operands from shared memory
+    if q_in_smem:  # interpreted (its wgmma reads operands from shared memory), or int8 at D < 128
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
         q_op = q_smem
     else:  # q as the A operand from registers: no shared memory, room for another CTA
@@ -136,7 +137,7 @@ def _kernel(
     for j in range(stages):
         issue_k(first + j, j, first + j < last)
         issue_v(first + j, j, first + j < last)
-    if operands_in_smem:
+    if q_in_smem:
         plgpu.barrier_wait(q_bar.at[0])
     if quantized:
         q_scale = plgpu.load(qs_ref.at[b, h], layout=row, optimized=False)
@@ -298,7 +299,11 @@ def decode_attention_mgpu(
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, group, cap), f32))
     kdt = tier.k.dtype
-    scratch = [smem_tile((ROWS, d), kdt)] if interpret else []
+    # An int8 q from registers computed wrong QK at D = 64 (64-byte swizzle) on the H200 and
+    # right at D = 128 (2026-12-01, docs/lab/2026-12-01-mosaic-kernels.md): int8 q at D < 128
+    # stays in shared memory, as under the interpreter.
+    q_in_smem = interpret or (quantized and d % 128 != 0)
+    scratch = [smem_tile((ROWS, d), kdt)] if q_in_smem else []
     scratch += [
         smem_tile((stages, block_k, d), kdt),
         smem_tile((stages, block_k, d), kdt),
@@ -324,7 +329,8 @@ def decode_attention_mgpu(
         num_splits=splits,
         group=group,
         return_logits=return_logits,
-        operands_in_smem=interpret,
+        p_in_smem=interpret,
+        q_in_smem=q_in_smem,
         cdt=cdt,
     )
     outs = plgpu.kernel(
