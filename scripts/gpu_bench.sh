@@ -80,6 +80,18 @@ case "${1:-foundation}" in
           --attention "$impl" --out "$OUT/decode_${name}_${impl}_b$b.json"
       done
     done ;;
+  mesh)  # the sharded code path on one GPU (--mesh data=1,model=1) against the unsharded one:
+    # same shapes, one process per row (Llama-3-8B shapes, bf16, 32K, batch 8); MESHES sets the order
+    for row in ${ROWS:-full confkv}; do
+      budget=(); [ "$row" = confkv ] && budget=(--budget 12650)
+      for mesh in ${MESHES:-none data=1,model=1}; do
+        m=(); [ "$mesh" != none ] && m=(--mesh "$mesh")
+        timeout "${ROW_TIMEOUT:-150}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
+          --dtype bfloat16 --policy $row ${budget[*]} --contexts 32768 --batch 8 \
+          --steps ${STEPS:-16} --copy-mib 4096 --attention pallas ${m[*]} \
+          --out $OUT/mesh_${row}_${mesh%%=*}.json" || echo "row $row $mesh: exit $?"
+      done
+    done ;;
   copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee "$OUT/copies.txt" ;;
