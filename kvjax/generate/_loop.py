@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
+from kvjax.generate._sampling import row_keys
 from kvjax.generate._step import cache_spec_for
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
@@ -26,7 +27,7 @@ def generate(
     *,
     policy: Policy,
     gen: GenerateConfig,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (different lengths allowed).
 
@@ -36,7 +37,10 @@ def generate(
         prompts: B lists of token ids, each non-empty.
         policy: the cache policy.
         gen: static generation settings.
-        seed: sampling seed (ignored when greedy).
+        seed: sampling seed (ignored when greedy): one int (row i samples with
+            fold_in(key(seed), i)) or one seed per row (row i with key(seed[i])). A row's
+            samples depend only on its own key, prompt and the policy, never on the other rows:
+            a row generated alone with its key gives the same tokens as in any batch.
     """
     lengths = check_lengths(prompts)
     tokens = pad_prompts(prompts, gen.chunk_size, gen.pad_id)
@@ -60,8 +64,17 @@ def generate(
         params,
         jnp.asarray(tokens),
         jnp.asarray(lengths),
-        jax.random.key(seed),
+        _row_keys(seed, len(prompts)),
     )
+
+
+def _row_keys(seed: int | Sequence[int], batch: int) -> Array:
+    if isinstance(seed, int):
+        return row_keys(jax.random.key(seed), batch)
+    seeds = list(seed)
+    if len(seeds) != batch or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"seed must be an int or {batch} ints (one per prompt), got {seed!r}")
+    return jnp.stack([jax.random.key(s) for s in seeds])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
