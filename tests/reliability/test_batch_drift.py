@@ -22,7 +22,7 @@ def _rows(out):
 @pytest.mark.parametrize("case", NAMES)
 def test_each_row_generates_what_it_generates_alone(tiny_llama, case):
     config, params = tiny_llama
-    policy = build(case, 12)  # prompts of 5, 19, 11 tokens: the long one is compressed
+    policy = build(case, 20)  # prompts of 5, 19, 11 tokens + 10 new: the long one is compressed
     for sampling, seeds in ((GREEDY, [0, 0, 0]), (SAMPLED, [3, 4, 5])):
         gen = GenerateConfig(max_new_tokens=10, chunk_size=8, sampling=sampling)
         batch = _rows(generate(config, params, PROMPTS, policy=policy, gen=gen, seed=seeds))
