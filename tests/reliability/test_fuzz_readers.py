@@ -152,11 +152,22 @@ _BAD_VALUES = [-1, 0, 2**40, 2**63, 1.5, "x", None, [], {}, True, float("nan")]
 @FUZZ
 @given(data=st.data())
 @example(data=None)  # a config.json that is not JSON at all
+# Found by the fuzzer (2026-12-01): TypeError/ValueError/AttributeError naming no file.
+@example(data='vocab_size="x"')
+@example(data="vocab_size=null")
+@example(data="vocab_size=[]")
+@example(data="rms_norm_eps=null")
+@example(data='rms_norm_eps="x"')
+@example(data="rope_parameters=-1")
 def test_config_json_reader_on_hostile_values(tmp_path, data):
     folder = _hf_copy(tmp_path)
     cfg_path = folder / "config.json"
     if data is None:
         cfg_path.write_text("{not json")
+    elif isinstance(data, str):  # a recorded failure: key=value (JSON)
+        key, value = data.split("=")
+        cfg = json.loads(cfg_path.read_text()) | {key: json.loads(value)}
+        cfg_path.write_text(json.dumps(cfg))
     else:
         cfg = json.loads(cfg_path.read_text())
         keys = data.draw(st.lists(st.sampled_from(sorted(cfg)), min_size=1, max_size=3))
@@ -165,7 +176,9 @@ def test_config_json_reader_on_hostile_values(tmp_path, data):
         if data.draw(st.booleans()):
             cfg["model_type"] = data.draw(st.sampled_from(["bert", "llama", "gpt2", "qwen2", 3]))
         cfg_path.write_text(json.dumps(cfg))
-    check(load_hf_dir, folder, "config.json")
+    # A value that disagrees with the weights is reported against the tensor file that shows
+    # it; every message names the checkpoint's folder.
+    check(load_hf_dir, folder, "hostile_hf")
 
 
 # --- tokenizer.json -------------------------------------------------------------------------
