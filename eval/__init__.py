@@ -64,6 +64,7 @@ from kvjax.eval._niah_prompt import (
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
 from kvjax.eval._press import Pressed, press_context
 from kvjax.eval._stats import bootstrap_ci, kl_divergence, pearson, rankdata, spearman
+from kvjax.eval._stream import StreamChunk, plot_stream, run_stream, stream_tokens
 from kvjax.eval._trace import plot_trace
 
 __all__ = [
@@ -91,6 +92,10 @@ __all__ = [
     "read_niah_result",
     "run_niah",
     "run_ppl",
+    "run_stream",
+    "plot_stream",
+    "stream_tokens",
+    "StreamChunk",
     "plot_trace",
     "score_niah_answer",
     "write_niah_outputs",

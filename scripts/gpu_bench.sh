@@ -162,11 +162,20 @@ case "${1:-foundation}" in
             --rows full h2o confkv+int8 kivi qevict --out-dir "$OUT/compare_qevict" --json > /dev/null
           run compare --model $M --windows 205 --tokens 2048 --rows qevict-int4 \
             --out-dir "$OUT/compare_qevict_int4" --json > /dev/null ;;
+        stream)  # perplexity per 4K chunk over TOKENS of the essays (looped), one token per step,
+          # one process and JSON per policy (POLICIES; full stops at the model's 8K context)
+          for pol in ${POLICIES:-window streaming h2o confkv qevict kvpop kivi full}; do
+            b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac
+            run stream --model $M --policy "$pol" "${b[@]}" --tokens "${TOKENS:-204800}" \
+              --chunk 4096 --segment 1024 --max-full 8192 --cache-dtype bfloat16 \
+              --out "$OUT/stream_$pol.json" --plot "$OUT/stream_$pol.png" --json > /dev/null
+          done ;;
         niah-4k)  # budgeted policies where the full cache still solves most depths
           run niah --model $M --policy streaming h2o confkv --budget 1024 --lengths 4096 \
             --depths 0 25 50 75 100 --protocol both --out-dir "$OUT/niah_b1024" --json > /dev/null ;;
         *) echo "unknown job $job" >&2; exit 2 ;;
       esac
     done ;;
+  stream) exec "$0" quality stream ;;  # `quality stream`: the long-stream evaluation
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ from kvjax.cli import (
     _generate,
     _niah,
     _ppl,
+    _stream,
     _train,
 )
 
@@ -25,7 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_cache_arg(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (_demo, _generate, _ppl, _compare, _bench, _niah, _confkl, _diagnostics, _train):
+    for mod in (
+        _demo,
+        _generate,
+        _ppl,
+        _compare,
+        _bench,
+        _niah,
+        _confkl,
+        _diagnostics,
+        _train,
+        _stream,
+    ):
         mod.register(sub)
     for leaf in _leaf_parsers(sub):  # also accepted after the command
         _add_cache_arg(leaf, default=argparse.SUPPRESS)

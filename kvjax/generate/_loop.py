@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
 from kvjax.generate._fit import fit_policy
+from kvjax.generate._sampling import row_keys
 from kvjax.generate._step import cache_spec_for
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
@@ -28,7 +29,7 @@ def generate(
     *,
     policy: Policy,
     gen: GenerateConfig,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules = TENSOR_PARALLEL,
 ) -> GenerateOutput:
@@ -40,7 +41,10 @@ def generate(
         prompts: B lists of token ids, each non-empty.
         policy: the cache policy.
         gen: static generation settings.
-        seed: sampling seed (ignored when greedy).
+        seed: sampling seed (ignored when greedy): one int (row i samples with
+            fold_in(key(seed), i)) or one seed per row (row i with key(seed[i])). A row's
+            samples depend only on its own key, prompt and the policy, never on the other rows:
+            a row generated alone with its key gives the same tokens as in any batch.
         mesh: run sharded over this device mesh (docs/sharding.md): params and cache are placed
             by `rules` and the same loop runs as one SPMD program. None: one device.
         rules: how logical axes map onto the mesh's axes (used only with `mesh`).
@@ -74,8 +78,17 @@ def generate(
         params,
         jnp.asarray(tokens),
         jnp.asarray(lengths),
-        jax.random.key(seed),
+        _row_keys(seed, len(prompts)),
     )
+
+
+def _row_keys(seed: int | Sequence[int], batch: int) -> Array:
+    if isinstance(seed, int):
+        return row_keys(jax.random.key(seed), batch)
+    seeds = list(seed)
+    if len(seeds) != batch or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"seed must be an int or {batch} ints (one per prompt), got {seed!r}")
+    return jnp.stack([jax.random.key(s) for s in seeds])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

@@ -32,8 +32,17 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def row_keys(key: Array, batch: int) -> Array:
+    """[B] per-row keys from one key: row i gets fold_in(key, i), so a row's samples depend only
+    on its own key, never on how many rows share the batch."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+
+
 def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
-    """Pick one token per row. logits: [B, V] float32 → [B] int32."""
+    """Pick one token per row. logits: [B, V] float32 → [B] int32.
+
+    key: [B] per-row keys (row b draws with key[b] alone), or one key (split into B rows).
+    """
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
@@ -44,4 +53,6 @@ def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
         n_keep = jnp.maximum(jnp.sum(before < sampling.top_p, axis=-1), 1)
         cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    keys = key if key.ndim == 1 else jax.random.split(key, logits.shape[0])
+    draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
+    return draw(keys, logits).astype(jnp.int32)

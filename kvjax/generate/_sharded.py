@@ -68,6 +68,8 @@ def generate_sharded(
 ) -> GenerateOutput:
     """`generate`'s jitted core on `mesh` (arguments already validated by `generate`). Every
     process of a multi-controller run calls it with the same arguments."""
+    if not isinstance(seed, int):
+        raise ValueError(f"on a mesh, seed must be one int (per-row seeds: unsharded), not {seed}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32) on a mesh, got {seed}")
     layout = layout_for(config, spec, mesh, rules)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, attended_slots_per_layer, slot_bytes_per_layer
-from kvjax.generate._sampling import sample
+from kvjax.generate._sampling import row_keys, sample
 from kvjax.generate._step import model_step
 from kvjax.generate._types import GenerateConfig, GenerateOutput, Telemetry
 from kvjax.models import ModelConfig, Params
@@ -78,8 +78,12 @@ def decode(
     """Sample up to gen.max_new_tokens tokens per row, starting from next-token `logits` [B, V].
 
     Pure and jittable (a `lax.while_loop` that stops early once every row hit a stop token).
+    key: [B] per-row keys or one key (row i then uses fold_in(key, i)); step t of row b samples
+    with fold_in(key[b], t), so a row's samples never depend on its batch companions.
     """
     b, n = logits.shape[0], gen.max_new_tokens
+    if key.ndim == 0:
+        key = row_keys(key, b)
     stops = jnp.asarray(gen.stop_tokens or (-1,), jnp.int32)
     telemetry = Telemetry(
         confidence=jnp.zeros((n, b), jnp.float32),
@@ -91,7 +95,7 @@ def decode(
 
     def body(carry):
         step, cache, logits, key, done, out, count, tel = carry
-        key, sub = jax.random.split(key)
+        sub = jax.vmap(jax.random.fold_in, (0, None))(key, step)  # [B] this step's row keys
         tok = jnp.where(done, gen.pad_id, sample(logits, sub, gen.sampling))
         out = out.at[:, step].set(tok)
         count = count + (~done).astype(jnp.int32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 from kvjax.policies._base import Policy
@@ -82,7 +83,9 @@ def make_policy(
         except TypeError as e:
             raise ValueError(f"policy {name!r}: {e}") from None
     if budget is None:
-        raise ValueError(f"policy {name!r} needs a budget (tokens kept per KV head)")
+        raise ValueError(f"policy {name!r} needs a budget (tokens attended per step per KV head)")
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise ValueError(f"policy {name!r}: budget must be an int, got {budget!r}")
     if name in NEEDS_LAYERS and num_layers is not None:
         kwargs.setdefault("num_layers", num_layers)
     try:

@@ -80,17 +80,27 @@ def load_scorer(
         raise ValueError(f"{path} is not a readable kvpop scorer file ({e})") from None
     if not ok:
         raise ValueError(f"{path} is not a kvpop scorer file (format tag {FORMAT!r} missing)")
-    if blob["version"] != VERSION:
-        raise ValueError(f"{path}: scorer format version {blob['version']}, expected {VERSION}")
-    config = ScorerConfig(**json.loads(blob["config"]))
+    version = blob.get("version")
+    if version != VERSION:
+        raise ValueError(f"{path}: scorer format version {version}, expected {VERSION}")
+    try:
+        config = ScorerConfig(**json.loads(blob["config"]))
+        meta = json.loads(blob["meta"])
+        got = blob["params"]
+        got_shapes = {k: tuple(np.shape(v)) for k, v in got.items()}
+        floats = all(np.asarray(v).dtype.kind == "f" for v in got.values())
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: corrupt scorer file ({type(e).__name__}: {e})") from None
+    if not floats:
+        raise ValueError(f"{path}: scorer parameters must be floating point arrays")
     want = jax.eval_shape(lambda: init_scorer_params(config, jax.random.key(0)))
-    got = blob["params"]
     want_shapes = {k: tuple(v.shape) for k, v in want.items()}
-    got_shapes = {k: tuple(np.shape(v)) for k, v in got.items()}
     if want_shapes != got_shapes:
         raise ValueError(
             f"{path}: parameters {got_shapes} do not match its config {config} "
             f"(expected {want_shapes})"
         )
     params = {k: np.asarray(v, np.float32) for k, v in got.items()}
-    return config, params, json.loads(blob["meta"])
+    if not all(np.isfinite(v).all() for v in params.values()):
+        raise ValueError(f"{path}: scorer parameters hold NaN or Inf")
+    return config, params, meta

@@ -163,4 +163,9 @@ def read_hf_config(directory: pathlib.Path) -> tuple[ModelConfig, dict[str, Any]
             f"{list(SUPPORTED_MODEL_TYPES)}"
         )
     build = _gpt2_config if model_type in GPT2_MODEL_TYPES else _llama_config
-    return build(raw, source, directory.name), raw
+    try:
+        return build(raw, source, directory.name), raw
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong value types
+        if str(source) in str(e):
+            raise
+        raise ValueError(f"{source}: invalid value ({type(e).__name__}: {e})") from None

@@ -24,7 +24,8 @@ def test_bench_decode_byte_accounting(tiny_llama, name, budget):
         copy_bytes=1 << 20,
     )
     slot = 2 * config.head_dim * 4  # K+V float32
-    kept = 128 if name == "full" else 32
+    # live = what the next step attends: the cache plus its own token (a budget of 32: 32)
+    kept = 128 + 1 if name == "full" else 32
     assert r.live_kv_bytes == 2 * config.num_layers * config.num_kv_heads * kept * slot
     capacity = policy.capacity(128 + 4 * 4 + 1)  # room for the timed and policy-only steps
     # Physical: K, V data + int32 positions + float32 scores, per slot, plus [B] lengths.

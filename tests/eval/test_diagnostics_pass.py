@@ -56,9 +56,12 @@ def test_full_policy_misses_nothing_and_never_churns(tiny_llama):
 def test_window_fmm_equals_direct_computation(tiny_llama):
     budget = 10
     rec = _run(tiny_llama, build("window", budget))
-    # A sliding window holds exactly positions t - budget + 1 .. t at event t.
+    # A sliding window of `budget` attended tokens caches exactly t - budget + 2 .. t at event t
+    # (the next step attends those and its own token).
     pos = np.arange(S)
-    expect = (pos[None] > rec.event_pos[:, None] - budget) & (pos[None] <= rec.event_pos[:, None])
+    expect = (pos[None] > rec.event_pos[:, None] - (budget - 1)) & (
+        pos[None] <= rec.event_pos[:, None]
+    )
     np.testing.assert_array_equal(rec.cached, np.broadcast_to(expect, rec.cached.shape))
     attn = np.moveaxis(rec.attention, 0, 2)  # [L, Hkv, S, S]
     direct = future_missed_mass(
@@ -66,11 +69,11 @@ def test_window_fmm_equals_direct_computation(tiny_llama):
     )
     np.testing.assert_allclose(rec.fmm, direct, rtol=1e-6, equal_nan=True)
     assert np.nanmin(rec.fmm) > 0  # random attention always reaches past a 10-token window
-    # Churn: at t=16 the window holds 7..16, complete windows {1, 2, 3} (16 starts window 4);
-    # at t=20 it holds 11..20 -> {2, 3, 4}, of which {2, 3} were complete at t=16: 1 - 2/3.
+    # Churn: at t=16 the window holds 8..16, complete windows {2, 3} (16 starts window 4);
+    # at t=20 it holds 12..20 -> {3, 4}, of which {3} was held at t=16: 1 - 1/2.
     # Every later pair slides the same way.
     churn = selection_churn(rec.held, complete_windows(rec.event_pos, W))
-    np.testing.assert_allclose(churn, np.full((2, 2, len(rec.event_pos) - 1), 1 / 3))
+    np.testing.assert_allclose(churn, np.full((2, 2, len(rec.event_pos) - 1), 1 / 2))
 
 
 @pytest.mark.parametrize("case", ["confkv-int8", "kivi", "h2o"])

@@ -43,7 +43,7 @@ def _expected(prio, p, sinks, window, k):
 def test_running_top_k_equals_brute_force(kind, decay, chunks, tmp_path):
     sinks, window, k = 2, 4, 6
     scorer = _scorer(kind, tmp_path)
-    budget = sinks + window + k
+    budget = 1 + sinks + window + k  # attended: the current token + what the cache keeps
     policy = KVpopPolicy(budget=budget, sinks=sinks, window=window, scorer=scorer, decay=decay)
     spec = policy.cache_spec(
         batch=B, num_layers=2, num_kv_heads=H, head_dim=D, max_len=S, dtype=jnp.float32
@@ -97,7 +97,7 @@ def test_scorer_that_does_not_fit_the_model():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"budget": 6, "sinks": 2, "window": 4}, "must exceed sinks \\+ window"),
+        ({"budget": 7, "sinks": 2, "window": 4}, "must exceed the current token \\+ sinks"),
         ({"budget": 16, "window": 0}, "window must be >= 1"),
         ({"budget": 16, "sinks": -1}, "sinks must be >= 0"),
         ({"budget": 16, "window": 4, "decay": -0.1}, "decay must be >= 0"),
@@ -112,7 +112,7 @@ def test_bad_hyperparameters(kwargs, match):
 
 def test_registry():
     p = make_policy("kvpop", 16, window=4, scorer=_scorer("mlstm"))
-    assert isinstance(p, KVpopPolicy) and p.sinks == 4 and p.capacity(100) == 16
+    assert isinstance(p, KVpopPolicy) and p.sinks == 4 and p.capacity(100) == 15
     with pytest.raises(ValueError, match="needs a budget"):
         make_policy("kvpop", window=4, scorer=_scorer("mlstm"))
 

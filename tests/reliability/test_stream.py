@@ -1,0 +1,68 @@
+"""`kvjax stream` / run_stream at tiny sizes: per-chunk perplexity equals teacher-forced scoring
+through the same policy, memory stays flat for bounded policies, full stops at its limit."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvjax.cli import main
+from kvjax.eval import plot_stream, run_stream, stream_tokens
+from kvjax.generate import score_tokens
+from kvjax.policies import make_policy
+from kvjax.weights import LoadedModel, essay_names, essay_text
+
+
+class _Chars:
+    """A stand-in tokenizer: one id per character (mod the vocab)."""
+
+    def encode(self, text):
+        return [ord(c) % 128 for c in text[:300]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama):
+    config, params = tiny_llama
+    return LoadedModel(config=config, params=params, tokenizer=_Chars(), source="tiny")
+
+
+def test_stream_tokens_concatenates_and_loops(tiny_model):
+    toks = stream_tokens(tiny_model, 50_000)  # every essay's first 300 characters, looped
+    assert toks.shape == (50_000,) and toks.dtype == np.int32
+    period = sum(len(_Chars().encode(essay_text(n))) for n in essay_names())
+    assert period < 50_000
+    first = _Chars().encode(essay_text(essay_names()[0]))
+    np.testing.assert_array_equal(toks[: len(first)], first)
+    np.testing.assert_array_equal(toks[:1000], toks[period : period + 1000])
+
+
+@pytest.mark.parametrize("name,budget", [("streaming", 12), ("window", 12), ("full", None)])
+def test_chunk_ppl_equals_scoring_and_memory_stays_bounded(tiny_model, tmp_path, name, budget):
+    tokens = np.random.default_rng(0).integers(0, 128, 97).astype(np.int32)
+    policy = make_policy(name, budget)
+    rows = run_stream(tiny_model, policy, tokens, budget=budget, chunk=32, segment=16, max_full=64)
+    nll = np.asarray(score_tokens(tiny_model.config, tiny_model.params, tokens, policy=policy).nll)[
+        0
+    ]
+    ends = [r.end for r in rows]
+    assert ends == ([32, 64] if name == "full" else [32, 64, 96])
+    for r in rows:
+        assert math.isclose(r.ppl, math.exp(nll[r.start : r.end].mean()), rel_tol=1e-5)
+    if budget is not None:  # live bytes: at most the budget's worth (2 layers, 2 KV heads)
+        assert max(r.live_bytes_peak for r in rows) == 2 * 2 * budget * 2 * 16 * 4
+    plot_stream(rows, str(tmp_path / "s.png"), title="t")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stream", "--policy", "window", "--budget", "8", "--chunk", "100", "--segment", "64"],
+        ["stream", "--policy", "nope", "--budget", "8"],
+        ["stream", "--policy", "window"],
+    ],
+)
+def test_stream_cli_bad_arguments_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
