@@ -14,6 +14,7 @@ from kvjax.cli import (
     _generate,
     _niah,
     _ppl,
+    _ruler,
     _train,
 )
 
@@ -23,7 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvjax", description="Bounded, compressed KV caches for jit-compiled decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (_demo, _generate, _ppl, _compare, _bench, _niah, _confkl, _diagnostics, _train):
+    for mod in (
+        _demo,
+        _generate,
+        _ppl,
+        _compare,
+        _bench,
+        _niah,
+        _confkl,
+        _diagnostics,
+        _train,
+        _ruler,
+    ):
         mod.register(sub)
     return parser
 
