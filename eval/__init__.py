@@ -63,6 +63,15 @@ from kvjax.eval._niah_prompt import (
 )
 from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
 from kvjax.eval._press import Pressed, press_context
+from kvjax.eval._ruler import (
+    RulerRow,
+    check_ruler_args,
+    ruler_summary,
+    run_ruler,
+    write_ruler_outputs,
+)
+from kvjax.eval._ruler_tasks import TASKS as RULER_TASKS
+from kvjax.eval._ruler_tasks import RulerSample, build_sample, string_match_all
 from kvjax.eval._stats import bootstrap_ci, kl_divergence, pearson, rankdata, spearman
 from kvjax.eval._stream import StreamChunk, plot_stream, run_stream, stream_tokens
 from kvjax.eval._trace import plot_trace
@@ -81,6 +90,15 @@ __all__ = [
     "PplResult",
     "Pressed",
     "press_context",
+    "RULER_TASKS",
+    "RulerRow",
+    "RulerSample",
+    "build_sample",
+    "check_ruler_args",
+    "ruler_summary",
+    "run_ruler",
+    "string_match_all",
+    "write_ruler_outputs",
     "bench_decode",
     "bench_kernel",
     "build_niah_prompt",

@@ -94,14 +94,27 @@ def press_context(
         if isinstance(policy, KVzipPolicy):
             if not reconstruct:
                 raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
-            scores = _kvzip(config, params, policy, full, list(context), reconstruct,
-                            reconstruct_next or reconstruct, suffix)  # fmt: skip
+            scores = _kvzip(
+                config,
+                params,
+                policy,
+                full,
+                list(context),
+                reconstruct,
+                reconstruct_next or reconstruct,
+                suffix,
+            )
         else:
             scores = [
-                policy.scores(unrotate(qi, jnp.arange(s)[None], config.rope_theta), ly.k, ly.v,
-                              s, config.rope_theta)
+                policy.scores(
+                    unrotate(qi, jnp.arange(s)[None], config.rope_theta),
+                    ly.k,
+                    ly.v,
+                    s,
+                    config.rope_theta,
+                )
                 for qi, ly in zip(q, full.layers, strict=True)
-            ]  # fmt: skip
+            ]
         del k_ctx
         n = min(policy.budget, s)
         keep = [top_slots(sc, n) for sc in scores]
@@ -113,14 +126,25 @@ def press_context(
         chunk = -(-s // 16) * 16
         gen = GenerateConfig(chunk_size=chunk, max_new_tokens=1)
         padded = jnp.zeros((1, chunk), jnp.int32).at[:, :s].set(ids)
-        cache, _ = prefill_cache(config, policy, gen, params, policy.empty_cache(spec), padded,
-                                 jnp.asarray([s], jnp.int32))  # fmt: skip
+        cache, _ = prefill_cache(
+            config,
+            policy,
+            gen,
+            params,
+            policy.empty_cache(spec),
+            padded,
+            jnp.asarray([s], jnp.int32),
+        )
         layers = cache.layers
         keep = [live_slots(ly.pos) for ly in layers]
     cache, kept = _append_cache(config, layers, keep, room, s, dtype)
     jax.block_until_ready(cache)
-    return Pressed(cache=cache, policy=AppendPolicy(slots=tuple(k + room for k in kept)),
-                   kept=kept, seconds=time.perf_counter() - t0)  # fmt: skip
+    return Pressed(
+        cache=cache,
+        policy=AppendPolicy(slots=tuple(k + room for k in kept)),
+        kept=kept,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def top_slots(scores: Array, n: int) -> Array:
@@ -140,33 +164,46 @@ def live_slots(pos: Array) -> Array:
 
 def _append_cache(config, layers, keep, room, length, dtype):
     kept = tuple(int(k.shape[-1]) for k in keep)
-    spec = CacheSpec(batch=1, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                     capacities=tuple(k + room for k in kept), dtype=dtype)  # fmt: skip
+    spec = CacheSpec(
+        batch=1,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        capacities=tuple(k + room for k in kept),
+        dtype=dtype,
+    )
     out = []
     for ly, idx, empty in zip(layers, keep, init_cache(spec).layers, strict=True):
         take = lambda a, idx=idx: jnp.take_along_axis(
             a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2
         )
         n = idx.shape[-1]
-        out.append(empty.replace(
-            k=empty.k.at[:, :, :n].set(take(ly.k).astype(empty.k.dtype)),
-            v=empty.v.at[:, :, :n].set(take(ly.v).astype(empty.v.dtype)),
-            pos=empty.pos.at[:, :, :n].set(take(ly.pos)),
-        ))  # fmt: skip
+        out.append(
+            empty.replace(
+                k=empty.k.at[:, :, :n].set(take(ly.k).astype(empty.k.dtype)),
+                v=empty.v.at[:, :, :n].set(take(ly.v).astype(empty.v.dtype)),
+                pos=empty.pos.at[:, :, :n].set(take(ly.pos)),
+            )
+        )
     return Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32)), kept
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
 def _full_prefill(config, params, ids, dtype):
     """The context through the model into a full cache: (cache, queries after RoPE per layer
-    [1, S, Hq, D], keys per layer)."""
+    [1, S, Hq, D], keys per layer). The empty cache is an argument of the jitted pass (built
+    inside, XLA would constant-fold attention over its zeros)."""
+    empty = new_cache(config, FullPolicy(), batch=1, max_len=ids.shape[1], dtype=dtype)
+    return _full_pass(config, params, ids, empty)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _full_pass(config, params, ids, cache):
     s = ids.shape[1]
-    full = FullPolicy()
-    cache = new_cache(config, full, batch=1, max_len=s, dtype=dtype)
     pos = jnp.arange(s, dtype=jnp.int32)[None]
     valid = jnp.ones((1, s), bool)
     out = forward(config, params, ids, pos, valid, cache, return_queries=True, need_mass=False)
-    layers = full.write_layers(cache.layers, out.k_new, out.v_new, pos, valid, out.stats, None)
+    layers = FullPolicy().write_layers(
+        cache.layers, out.k_new, out.v_new, pos, valid, out.stats, None
+    )
     return Cache(layers=layers, length=jnp.asarray([s], jnp.int32)), out.q, out.k_new
 
 
@@ -189,8 +226,16 @@ def _kvzip_pass(config, params, full, tokens, start, stop, sink):
     t = tokens.shape[1]
     s = full.layers[0].pos.shape[-1]
     pos = s + jnp.arange(t, dtype=jnp.int32)[None]
-    out = forward(config, params, tokens, pos, jnp.ones((1, t), bool), full,
-                  return_queries=True, need_mass=False)  # fmt: skip
+    out = forward(
+        config,
+        params,
+        tokens,
+        pos,
+        jnp.ones((1, t), bool),
+        full,
+        return_queries=True,
+        need_mass=False,
+    )
     return [
         kvzip_scores(q, ly.k[:, :, :sink], ly.k[:, :, start:stop], k)
         for q, ly, k in zip(out.q, full.layers, out.k_new, strict=True)

@@ -15,6 +15,7 @@ from kvjax.cli import (
     _generate,
     _niah,
     _ppl,
+    _ruler,
     _stream,
     _train,
 )
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         _diagnostics,
         _train,
         _stream,
+        _ruler,
     ):
         mod.register(sub)
     for leaf in _leaf_parsers(sub):  # also accepted after the command

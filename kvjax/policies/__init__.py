@@ -12,7 +12,12 @@ from kvjax.policies._keydiff import KeyDiffPolicy
 from kvjax.policies._kivi import KIVIPolicy
 from kvjax.policies._knorm import KnormPolicy
 from kvjax.policies._kvpop import KVpopPolicy
-from kvjax.policies._kvzip import KVzipPolicy, kvzip_scores
+from kvjax.policies._kvzip import (
+    RECONSTRUCT_CONTINUE,
+    RECONSTRUCT_PROMPT,
+    KVzipPolicy,
+    kvzip_scores,
+)
 from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
@@ -29,6 +34,8 @@ __all__ = [
     "ChunkKVPolicy",
     "NEEDS_LAYERS",
     "POLICIES",
+    "RECONSTRUCT_CONTINUE",
+    "RECONSTRUCT_PROMPT",
     "ConfKVPolicy",
     "Confidence",
     "ExpectedAttentionPolicy",

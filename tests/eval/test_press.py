@@ -153,7 +153,7 @@ def test_compressed_once_then_question_and_answer_never_evict_context(tiny_llama
 def test_press_rejects_bad_input(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="tiered"):
-        press_context(config, params, make_policy("confkv", 64), CONTEXT, room=4)
+        press_context(config, params, make_policy("confkv", 300), CONTEXT, room=4)
     with pytest.raises(ValueError, match="reconstruction prompt"):
         press_context(config, params, make_policy("kvzip", 16), CONTEXT, room=4)
     with pytest.raises(ValueError, match="room >= 1"):

@@ -1,0 +1,199 @@
+"""RULER-style evaluation under kvpress's protocol: each sample's context is compressed once to
+(1 − ratio) × its length (`press_context`), then the question and answer append; scores by
+string_match_all ×100 per (policy, ratio, task, length). Results as JSON rows, a table and a
+kvpress-style plot (score vs compression ratio, one line per policy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.generate import GenerateConfig, generate_from_cache
+from kvjax.policies import (
+    BUDGETLESS,
+    NEEDS_LAYERS,
+    RECONSTRUCT_CONTINUE,
+    RECONSTRUCT_PROMPT,
+    make_policy,
+)
+from kvjax.weights import LoadedModel
+
+from ._press import press_context
+from ._ruler_tasks import _SLOT, TASKS, RulerSample, build_sample, string_match_all
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RulerRow:
+    """One (policy, ratio, task, length) score over its samples (JSON-ready)."""
+
+    policy: str
+    ratio: float
+    task: str
+    length: int
+    score: float
+    samples: int
+    kept_tokens: float
+    seconds_compress: float
+    answers: list[str]
+
+
+def check_ruler_args(
+    tasks: Sequence[str], lengths: Sequence[int], ratios: Sequence[float], samples: int
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown RULER task {t!r}; choose from {sorted(TASKS)}")
+    if not lengths or min(lengths) < 256:
+        raise ValueError(f"lengths must be >= 256 tokens, got {list(lengths)}")
+    if not ratios or not all(0 <= r < 1 for r in ratios):
+        raise ValueError(f"compression ratios must be in [0, 1), got {list(ratios)}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+
+
+def kvzip_ids(model: LoadedModel) -> dict[str, list[int]]:
+    """KVzip's reconstruction prompts and the chat's assistant head, tokenized."""
+    tok = model.tokenizer
+    tail = tok.apply_chat_template([{"role": "user", "content": _SLOT}]).split(_SLOT)[1]
+    return dict(
+        reconstruct=tok.encode(RECONSTRUCT_PROMPT),
+        reconstruct_next=tok.encode(RECONSTRUCT_CONTINUE),
+        suffix=tok.encode(tail),
+    )
+
+
+def answer(
+    model: LoadedModel, policy_name: str, ratio: float, sample: RulerSample, max_new_tokens: int
+) -> tuple[str, int, float]:
+    """(answer text, tokens kept per KV head (layer mean), compression seconds)."""
+    cfg = model.config
+    s = len(sample.context)
+    if policy_name in BUDGETLESS or ratio == 0:
+        policy = make_policy("full")
+    else:
+        kw = {"num_layers": cfg.num_layers} if policy_name in NEEDS_LAYERS else {}
+        policy = make_policy(policy_name, max(2, int(s * (1 - ratio))), **kw)
+    pressed = press_context(
+        cfg,
+        model.params,
+        policy,
+        sample.context,
+        room=len(sample.question) + max_new_tokens + 1,
+        **(kvzip_ids(model) if policy.name == "kvzip" else {}),
+    )
+    chunk = -(-len(sample.question) // 16) * 16
+    gen = GenerateConfig(max_new_tokens=max_new_tokens, chunk_size=chunk)
+    q = (
+        jnp.zeros((1, chunk), jnp.int32)
+        .at[0, : len(sample.question)]
+        .set(jnp.asarray(sample.question, jnp.int32))
+    )
+    res, _ = generate_from_cache(
+        cfg,
+        pressed.policy,
+        gen,
+        model.params,
+        pressed.cache,
+        q,
+        jnp.asarray([len(sample.question)]),
+        jax.random.key(0),
+    )
+    ids = np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist()
+    text = model.tokenizer.decode(ids, skip_special=True)
+    return text, float(np.mean(pressed.kept)), pressed.seconds
+
+
+def run_ruler(
+    model: LoadedModel,
+    policies: Sequence[str],
+    *,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    ratios: Sequence[float],
+    samples: int = 4,
+    seed: int = 0,
+    max_new_tokens: int = 32,
+    on_sample: Callable[[str], None] | None = None,
+) -> list[RulerRow]:
+    """Every policy × ratio × task × length, `samples` seeded prompts each ("full" runs once,
+    at ratio 0)."""
+    check_ruler_args(tasks, lengths, ratios, samples)
+    rows = []
+    for task in tasks:
+        for length in lengths:
+            prompts = [
+                build_sample(model.tokenizer, task, length, seed + i) for i in range(samples)
+            ]
+            for name in policies:
+                for ratio in [0.0] if name == "full" else ratios:
+                    got = []
+                    for p in prompts:
+                        got.append(answer(model, name, ratio, p, max_new_tokens))
+                        if on_sample is not None:
+                            on_sample(f"{task} {length} {name} {ratio:g}")
+                    rows.append(
+                        RulerRow(
+                            policy=name,
+                            ratio=ratio,
+                            task=task,
+                            length=length,
+                            score=string_match_all(
+                                [g[0] for g in got], [p.answers for p in prompts]
+                            ),
+                            samples=samples,
+                            kept_tokens=float(np.mean([g[1] for g in got])),
+                            seconds_compress=float(np.mean([g[2] for g in got])),
+                            answers=[g[0] for g in got],
+                        )
+                    )
+    return rows
+
+
+def ruler_summary(rows: Sequence[RulerRow]) -> list[dict]:
+    """The table: per (policy, ratio) the mean score over tasks and lengths, and per task."""
+    out = []
+    for key in dict.fromkeys((r.policy, r.ratio) for r in rows):
+        mine = [r for r in rows if (r.policy, r.ratio) == key]
+        mean = round(float(np.mean([r.score for r in mine])), 1)
+        row = {"policy": key[0], "ratio": key[1], "score": mean}
+        for task in dict.fromkeys(r.task for r in mine):
+            row[task] = round(float(np.mean([r.score for r in mine if r.task == task])), 1)
+        out.append(row)
+    return out
+
+
+def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> tuple[str, str]:
+    """ruler.json (meta + rows) and ruler.png (score vs compression ratio per policy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = pathlib.Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    j, png = d / "ruler.json", d / "ruler.png"
+    j.write_text(json.dumps({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    summary = ruler_summary(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    full = [s["score"] for s in summary if s["policy"] == "full"]
+    for name in dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"):
+        pts = sorted((s["ratio"], s["score"]) for s in summary if s["policy"] == name)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    if full:
+        ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
+    ax.set_xlabel("compression ratio")
+    ax.set_ylabel("RULER score (string_match_all ×100)")
+    ax.set_title(f"{meta.get('model', '')} — RULER {meta.get('lengths', '')}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return str(j), str(png)

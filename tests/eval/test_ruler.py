@@ -1,0 +1,134 @@
+"""RULER-style tasks: prompts at the target length with the real SmolLM2 tokenizer, each answer
+where it should be, string_match_all on hand-made answers, and the run through the tiny model."""
+
+import collections
+import json
+import pathlib
+import re
+
+import pytest
+
+from kvjax.cli import main
+from kvjax.eval import (
+    RULER_TASKS,
+    build_sample,
+    ruler_summary,
+    run_ruler,
+    string_match_all,
+    write_ruler_outputs,
+)
+from kvjax.weights import LoadedModel, Tokenizer
+from kvjax.weights._locate import default_model_path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.mark.parametrize("task", list(RULER_TASKS))
+@pytest.mark.parametrize("length", [700, 1024])
+def test_prompt_is_the_target_length_and_seeded(tok, task, length):
+    s = build_sample(tok, task, length, seed=3)
+    n = len(s.context) + len(s.question)
+    assert length * 0.99 <= n <= length
+    again = build_sample(tok, task, length, seed=3)
+    assert (again.context, again.answers) == (s.context, s.answers)
+    other = build_sample(tok, task, length, seed=4)
+    assert other.context != s.context
+
+
+@pytest.mark.parametrize("task", [t for t in RULER_TASKS if t.startswith("niah")])
+def test_niah_answers_are_in_the_context_exactly_once_at_their_needles(tok, task):
+    for seed in range(3):
+        s = build_sample(tok, task, 1024, seed)
+        text, question = tok.decode(s.context), tok.decode(s.question)
+        for start, ids in s.needles:
+            assert s.context[start : start + len(ids)] == ids
+        needles = [tok.decode(ids) for _, ids in s.needles]
+        for a in s.answers:
+            assert text.count(a) == 1
+            # ... inside the needle of a queried key
+            (hit,) = [n for n in needles if a in n]
+            key = re.search(r"for (\S+) is:", hit).group(1)
+            assert key in question
+        n_keys, n_values, n_query = RULER_TASKS[task][3:]
+        assert len(s.needles) == n_keys * n_values
+        assert len(s.answers) == n_query * n_values
+        for key in re.findall(r"for (\S+) is:", " ".join(needles)):
+            assert text.count(f"for {key} is:") == n_values  # distractors have other keys
+
+
+def test_vt_chain_is_in_order_and_the_value_once(tok):
+    s = build_sample(tok, "vt", 1024, 0)
+    text = tok.decode(s.context)
+    value = re.search(r"the value (\d+)", tok.decode(s.question)).group(1)
+    assert text.count(value) == 1
+    starts = [a for a, _ in s.needles]
+    assert starts == sorted(starts) and len(s.answers) == 5
+    stmts = [tok.decode(ids).strip() for _, ids in s.needles]
+    assert stmts[0] == f"VAR {s.answers[0]} = {value}."
+    for a, b, st in zip(s.answers, s.answers[1:], stmts[1:], strict=False):
+        assert st == f"VAR {b} = VAR {a}."
+
+
+def test_cwe_and_fwe_answers_are_the_most_frequent_words(tok):
+    cwe = build_sample(tok, "cwe", 1024, 1)
+    words = collections.Counter(re.findall(r"\d+\. (\w+)", tok.decode(cwe.context)))
+    top = {w for w, _ in words.most_common(10)}
+    assert top == set(cwe.answers)
+    assert min(words[w] for w in top) > max(c for w, c in words.items() if w not in top)
+    fwe = build_sample(tok, "fwe", 1024, 1)
+    body = tok.decode(fwe.context).split("coded words. ")[-1]
+    counts = collections.Counter(w for w in body.split() if w != "....")
+    ranked = counts.most_common()
+    assert [w for w, _ in ranked[:3]] == fwe.answers
+    assert ranked[2][1] > ranked[3][1]
+
+
+def test_string_match_all_on_hand_made_answers():
+    refs = [["1234567", "7654321"], ["abc-def"], ["x1", "y2", "z3", "w4"]]
+    preds = ["The numbers are 7654321 and 1234567.", "ABC-DEF", "x1 and z3"]
+    assert string_match_all(preds, refs) == pytest.approx(100 * (1 + 1 + 0.5) / 3)
+    assert string_match_all(["none"], [["7"]]) == 0
+    with pytest.raises(ValueError, match="predictions"):
+        string_match_all(["a"], [["a"], ["b"]])
+
+
+def test_bad_input_is_named(tok):
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        build_sample(tok, "niah_single_9", 1024, 0)
+    with pytest.raises(ValueError, match="cannot fit"):
+        build_sample(tok, "niah_multiquery", 60, 0)
+    assert main(["ruler", "--policy", "nope", "--lengths", "512"]) == 2
+    assert main(["ruler", "--ratios", "1.5"]) == 2
+
+
+def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
+    """The pipeline on the tiny random model (its answers are noise): rows per policy × ratio,
+    each score = string_match_all of its own answers; JSON and PNG written."""
+    config, params = tiny_llama
+
+    class Small:  # the real tokenizer's text, ids folded into the tiny vocabulary
+        def encode(self, text):
+            return [i % config.vocab_size for i in tok.encode(text)]
+
+        def decode(self, ids, skip_special=False):
+            return tok.decode(ids, skip_special=skip_special)
+
+        def apply_chat_template(self, messages):
+            return tok.apply_chat_template(messages)
+
+    model = LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
+    rows = run_ruler(model, ["full", "snapkv", "kvzip"], tasks=["niah_single_1"], lengths=[300],
+                     ratios=[0.5], samples=1, max_new_tokens=4)  # fmt: skip
+    assert [(r.policy, r.ratio) for r in rows] == [("full", 0.0), ("snapkv", 0.5), ("kvzip", 0.5)]
+    sample = build_sample(model.tokenizer, "niah_single_1", 300, 0)
+    for r in rows:
+        assert r.score == string_match_all(r.answers, [sample.answers])
+        want = len(sample.context) * (1 if r.policy == "full" else 0.5)
+        assert abs(r.kept_tokens - want) <= 1
+    j, png = write_ruler_outputs(rows, str(tmp_path), {"model": "tiny", "lengths": [300]})
+    assert json.loads(pathlib.Path(j).read_text())["rows"][1]["policy"] == "snapkv"
+    assert pathlib.Path(png).read_bytes()[:4] == b"\x89PNG"
+    assert [s["policy"] for s in ruler_summary(rows)] == ["full", "snapkv", "kvzip"]
