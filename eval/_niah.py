@@ -101,8 +101,8 @@ def run_niah(
         label: the policy's name in the result (default policy.name; e.g. a preset's name).
         budget: recorded in the result only.
         max_new_tokens: answer length cap (generation also stops at the tokenizer's EOS ids).
-        chunk_size: prompt tokens per prefill call; each length's prompts are padded to one
-            bucket, so every depth of a length reuses one compilation.
+        chunk_size: prompt tokens per prefill call; prompts are padded to one bucket per cache
+            shape (`shared_buckets`), so every cell of a shape reuses one compilation.
         haystack: text instead of the essays (tests).
         on_cell: called after each cell (progress bars).
 
@@ -139,9 +139,12 @@ def run_niah(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
     )
     cells = []
+    buckets = shared_buckets(
+        {n: cache_spec_for(config, policy, batch=1, max_len=n, dtype=dtype) for n in grid},
+        chunk_size,
+    )
     for n, prompts in grid.items():
-        spec = cache_spec_for(config, policy, batch=1, max_len=n, dtype=dtype)
-        bucket = -(-n // chunk_size) * chunk_size
+        spec, bucket = buckets[n]
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
             ids, cache = _answer(model, policy, gen, spec, p, protocol, bucket)
@@ -181,6 +184,20 @@ def run_niah(
         max_new_tokens=max_new_tokens,
         cells=cells,
     )
+
+
+def shared_buckets(
+    specs: dict[int, CacheSpec], chunk_size: int
+) -> dict[int, tuple[CacheSpec, int]]:
+    """Each context length's cache spec and prompt bucket (padded prompt length), such that
+    lengths whose caches have one shape (a bounded policy's, once the length exceeds its budget)
+    share one compiled step: their prompts are padded to the largest bucket among them. Prefill
+    stops at each prompt's own length, so the padding computes nothing."""
+    out = {}
+    for n, spec in specs.items():
+        longest = max(m for m, other in specs.items() if other == spec)
+        out[n] = (spec, -(-longest // chunk_size) * chunk_size)
+    return out
 
 
 def _padded(ids: list[int], size: int) -> tuple[Array, Array]:

@@ -198,6 +198,46 @@ def test_budgeted_policy(tiny_model):
     assert r.cells[0].live_kv_bytes == 64 * 2 * 2 * 16 * 2 * 4  # the window is full
 
 
+def _compiles(fn) -> int:
+    """XLA compilations while fn() runs."""
+    import jax.monitoring
+
+    n = [0]
+
+    def listen(event, duration, **kw):
+        n[0] += event == "/jax/core/compile/backend_compile_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return n[0]
+
+
+def test_lengths_of_one_cache_shape_share_one_compiled_step(tiny_model):
+    """A bounded cache has one shape at every length above its budget: a grid over two such
+    lengths compiles what one length compiles (prompts padded to one bucket), and its cells
+    equal those of each length run alone (before, each length compiled its own step)."""
+    import jax
+
+    run = lambda lengths, **kw: _run(
+        tiny_model, "query-agnostic", lengths=lengths, depths=(50,), **kw
+    )
+    window = dict(policy="window", budget=64)
+    jax.clear_caches()
+    one = _compiles(lambda: run((384,), **window))
+    jax.clear_caches()
+    both = []
+    two = _compiles(lambda: both.append(run((384, 512), **window)))
+    assert 0 < one == two, (one, two)
+    alone = run((512,), **window)
+    for cell, ref in zip(
+        both[0].cells, [run((384,), **window).cells[0], alone.cells[0]], strict=True
+    ):
+        assert (cell.answer_tokens, cell.live_kv_bytes) == (ref.answer_tokens, ref.live_kv_bytes)
+
+
 def test_outputs_written(aware, tmp_path):
     json_path, png_path = write_niah_outputs(aware, tmp_path / "out")
     assert json_path.endswith("full_query-aware.json") and png_path.endswith(".png")
