@@ -74,6 +74,26 @@ def test_install_cell_is_the_same_everywhere():
     assert len(firsts) == 1
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_imports_only_public_kvjax_names(path):
+    private = []
+    for cell in _cells(path):
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse(_source(cell))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "kvjax" and any(p.startswith("_") for p in parts):
+                    private.append(name)
+    assert private == [], f"{path.name} imports private kvjax names: {private}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_on_cpu_at_small_sizes(path, tmp_path, monkeypatch):
