@@ -31,8 +31,8 @@ __version__ = "0.1.0"
 # name -> module that defines it; a name equal to its module's last part is the module itself.
 _EXPORTS = {
     "LM": "kvjax._lm",
-    "GenerationResult": "kvjax._lm",
-    "PerplexityResult": "kvjax._lm",
+    "GenerationResult": "kvjax._results",
+    "PerplexityResult": "kvjax._results",
     "load": "kvjax._lm",
     "policies": "kvjax.policies",
     "make_policy": "kvjax.policies",

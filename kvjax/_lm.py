@@ -6,7 +6,6 @@ core is one jit per configuration, so a second call with the same shapes does no
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,52 +16,20 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from kvjax._budget import resolve_policy
+from kvjax._results import GenerationResult, PerplexityResult
 from kvjax.attention import Implementation
-from kvjax.generate import GenerateConfig, Sampling, Telemetry, generate, score_tokens
+from kvjax.generate import (
+    GenerateConfig,
+    Sampling,
+    fit_policy,
+    generate,
+    score_tokens,
+)
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 from kvjax.weights import Tokenizer, load_model
 
 Messages = Sequence[Mapping[str, str]]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GenerationResult:
-    """What `LM.generate` / `LM.chat` return. List fields for a list input, else one value.
-
-    Attributes:
-        text: the generated text, without stop tokens.
-        tokens: the generated ids, without the stop token.
-        finish_reason: "stop" (a stop token ended it) or "length" (max_new_tokens reached).
-        prompt_tokens: tokens in the (templated) prompt.
-        telemetry: the core's per-step `Telemetry` ([N, B] arrays, B = number of prompts), e.g.
-            `telemetry.live_bytes()` for the live K/V bytes after every step.
-        policy: the policy that ran (with its budget and layer count resolved).
-    """
-
-    text: str | list[str]
-    tokens: list[int] | list[list[int]]
-    finish_reason: str | list[str]
-    prompt_tokens: int | list[int]
-    telemetry: Telemetry
-    policy: Policy
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PerplexityResult:
-    """What `LM.ppl` returns. List fields for a list input, else one value.
-
-    Attributes:
-        ppl: exp(mean NLL) of each text's tokens after the first.
-        nll: [S_i - 1] float32 per-token negative log-likelihoods of each text.
-        num_tokens: tokens in each text.
-        policy: the policy that ran.
-    """
-
-    ppl: float | list[float]
-    nll: np.ndarray | list[np.ndarray]
-    num_tokens: int | list[int]
-    policy: Policy
 
 
 class LM:
@@ -98,6 +65,13 @@ class LM:
         Every method goes through here, so sharding (a mesh) is added in this one place.
         """
         return fn(self.config, self.params, tokens, **kwargs)
+
+    def _policy(self, policy, budget, compression, prompt_tokens: int) -> Policy:
+        """The policy a call runs, fitted to this model (its layer count)."""
+        pol = resolve_policy(
+            policy, budget=budget, compression=compression, prompt_tokens=prompt_tokens
+        )
+        return fit_policy(pol, self.config)
 
     # --- text -------------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
@@ -222,9 +196,7 @@ class LM:
         chunk_size: int = 256,
     ) -> GenerationResult:
         ids = self._encode(texts)
-        pol = resolve_policy(
-            policy, budget=budget, compression=compression, prompt_tokens=max(map(len, ids))
-        )
+        pol = self._policy(policy, budget, compression, max(map(len, ids)))
         stops = self._stop_ids(stop)
         gen = GenerateConfig(
             max_new_tokens=max_new_tokens,
@@ -276,9 +248,7 @@ class LM:
         lengths = [len(r) for r in ids]
         if min(lengths) < 2:
             raise ValueError(f"text {lengths.index(min(lengths))} has 1 token; ppl needs >= 2")
-        pol = resolve_policy(
-            policy, budget=budget, compression=compression, prompt_tokens=max(lengths)
-        )
+        pol = self._policy(policy, budget, compression, max(lengths))
         padded = np.zeros((len(ids), max(lengths)), np.int32)
         for b, row in enumerate(ids):
             padded[b, : len(row)] = row

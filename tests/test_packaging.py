@@ -20,7 +20,14 @@ def test_every_package_folder_is_listed():
         for folder, name in roots.items()
         for p in (ROOT / folder).rglob("__init__.py")
     }
-    assert found == listed
+    # Folders of data files only (no __init__.py) are listed too, with their package-data.
+    data = {
+        ".".join(("kvjax", *d.relative_to(ROOT / "kvjax").parts))
+        for d in (ROOT / "kvjax").rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+    }
+    assert found | data == listed
+    assert data <= set(cfg["package-data"])
     assert cfg["package-dir"] == {
         "kvjax": "kvjax",
         "kvjax.train": "train",
@@ -51,6 +58,7 @@ def test_wheel_has_no_top_level_train_or_eval(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"kvjax", f"kvjax-{wheel.name.split('-')[1]}.dist-info"}
     assert "kvjax/eval/__init__.py" in names and "kvjax/train/__init__.py" in names
+    assert "kvjax/scorers/data/kvpop_mlstm_smollm2_135m.msgpack" in names
     # Installed into a fresh folder, the namespace imports with the current dependencies.
     target = tmp_path / "site"
     subprocess.run(
@@ -75,3 +83,16 @@ def test_wheel_has_no_top_level_train_or_eval(tmp_path):
         "assert u.find_spec('train') is None and u.find_spec('eval') is None"
     )
     subprocess.run([sys.executable, "-c", code, str(target)], check=True, cwd=tmp_path)
+
+
+def test_declared_stack_is_used():
+    """chex and transformers are runtime dependencies because the library imports them."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    sources = "\n".join(
+        p.read_text(encoding="utf-8")
+        for folder in ("kvjax", "train", "eval")
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    for name, imports in [("chex", ("import chex",)), ("transformers", ("from transformers",))]:
+        if any(d.startswith(name) for d in deps):
+            assert any(i in sources for i in imports), f"{name} is declared but never imported"

@@ -148,7 +148,7 @@ def run_decode(args: argparse.Namespace) -> int:
                 fill_chunk=min(args.fill_chunk, ctx),
                 copy_bytes=args.copy_mib << 20,
                 implementation=args.attention,
-                progress=not args.json,
+                progress=True,
             )
             rows.append(dataclasses.asdict(r))
             if not args.json:

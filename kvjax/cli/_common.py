@@ -91,9 +91,15 @@ def build_policy(name: str, args: argparse.Namespace, num_layers: int | None = N
     )
 
 
+def say(message: str) -> None:
+    """One progress line on stderr (shown whatever the output format)."""
+    print(f"[kvjax] {message}", file=sys.stderr, flush=True)
+
+
 def load(args: argparse.Namespace):
     from kvjax.weights import load_model
 
+    say(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'}")
     return load_model(args.model, dtype=DTYPES[args.dtype])
 
 
@@ -124,7 +130,8 @@ def emit(
         table.add_column(k)
     for r in items:
         table.add_row(*(_fmt(r[k]) for k in keys))
-    Console(file=sys.stdout, width=200).print(table)
+    # The terminal's width (80 columns when not a terminal): cells wrap instead of the table.
+    Console(file=sys.stdout).print(table)
 
 
 def _fmt(x: Any) -> str:

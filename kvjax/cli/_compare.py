@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         n_tokens=args.tokens,
         text=args.text,
         cache_dtype=args.cache_dtype,
-        progress=not args.json,
+        progress=True,
     )
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -115,9 +115,7 @@ def run(args: argparse.Namespace) -> int:
         lir_k=top_k,
         generate=args.generate,
     )
-    results = run_diagnostics(
-        model, policies, config, cache_dtype=args.cache_dtype, progress=not args.json
-    )
+    results = run_diagnostics(model, policies, config, cache_dtype=args.cache_dtype, progress=True)
     results = [dataclasses.replace(r, policy=n) for r, n in zip(results, args.policy, strict=True)]
     doc = _finite(
         {

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load
+from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load, say
 from kvjax.generate import GenerateConfig, Sampling, generate
 
 
@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         cache_dtype=args.dtype,
     )
+    say(f"generating with {policy.name} (the first call compiles: a minute or more on CPU)")
     new, seconds, live = generate_text(model, ids, policy, gen, args.seed, args.trace)
+    say(f"{len(new)} tokens in {seconds:.1f} s")
+    shown = new[:-1] if new and new[-1] in gen.stop_tokens else new  # never print a stop token
     result = {
         "policy": policy.name,
         "budget": args.budget,
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": seconds,
         "live_kv_bytes": live,
         "new_ids": new,
-        "text": tok.decode(new, skip_special=True),
+        "text": tok.decode(shown, skip_special=True),
     }
     if args.json:
         emit(result, as_json=True, title="generate")

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     model = load(args)
     n_cells = len(args.policy) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
-    with tqdm(total=n_cells, desc="niah", unit="cell", disable=args.json) as bar:
+    with tqdm(total=n_cells, desc="niah", unit="cell") as bar:
         for name in args.policy:
             policy = build_policy(name, args, model.config.num_layers)
             for protocol in protocols:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         budget=args.budget,
         cache_dtype=args.cache_dtype,
-        progress=not args.json,
+        progress=True,
     )
     emit(dataclasses.asdict(res), as_json=args.json, title="perplexity", out=args.out)
     return 0

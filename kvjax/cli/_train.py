@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     split = split_essays(held_out=args.held_out)
     windows = dict(seq_len=args.seq_len)
     eval_tokens = token_windows(model.tokenizer, split.held_out, **windows, limit=args.eval_seqs)
-    show = not args.json
+    show = True  # progress bars go to stderr, also under --json
     accuracy = lambda sc, params: dataclasses.asdict(
         boundary_accuracy(
             model.config,

@@ -6,6 +6,7 @@ These are the pure building blocks for users who write their own jitted loops; `
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +49,12 @@ def model_step(
         `donate_argnums` when calling this under your own jit so it is updated in place.
     """
     policy = fit_policy(policy, config)
+    try:  # shapes are static, so this also runs (once, at trace time) under jit
+        chex.assert_rank([tokens, valid], 2)
+        chex.assert_equal_shape([tokens, valid])
+        chex.assert_type([tokens, valid], [int, bool])
+    except AssertionError as e:
+        raise ValueError(f"model_step: tokens and valid must be [B, T] int and bool: {e}") from None
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if query_weight is None:

@@ -14,7 +14,7 @@ def run(capsys, *argv):
 
 
 def test_generate_chat_answers_paris(capsys):
-    code, out, _ = run(
+    code, out, err = run(
         capsys,
         "generate",
         "--chat",
@@ -30,6 +30,8 @@ def test_generate_chat_answers_paris(capsys):
     res = json.loads(out)
     assert "Paris" in res["text"]
     assert res["new_ids"] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # transformers golden
+    assert res["text"] == "The capital of France is Paris."  # without <|im_end|> (id 2)
+    assert "[kvjax] loading" in err and "[kvjax] generating" in err  # progress, also with --json
     assert res["live_kv_bytes"] > 0
 
 
@@ -65,8 +67,10 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):
 
     code, _, err = run(capsys, *argv)
     assert code == 2
-    assert err.startswith("error: ")
-    assert re.search(match, err)
+    # Progress lines ("[kvjax] loading ...") may come first; the error is one line.
+    lines = [line for line in err.splitlines() if not line.startswith("[kvjax] ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert re.search(match, lines[0])
 
 
 def test_corrupt_model_file_is_reported(capsys, tmp_path):
