@@ -36,6 +36,8 @@ def test_the_promised_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_without_outputs(path):
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.read(path, as_version=4))  # valid nbformat 4 JSON
     nb = json.loads(path.read_text())
     assert nb["nbformat"] == 4
     for i, cell in enumerate(nb["cells"]):
