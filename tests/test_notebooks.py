@@ -36,6 +36,8 @@ def test_the_promised_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_without_outputs(path):
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.read(path, as_version=4))  # valid nbformat 4 JSON
     nb = json.loads(path.read_text())
     assert nb["nbformat"] == 4
     for i, cell in enumerate(nb["cells"]):
@@ -72,6 +74,26 @@ def test_first_cell_installs_kvjax_without_replacing_jax(path):
 def test_install_cell_is_the_same_everywhere():
     firsts = {_source(_cells(p)[0]) for p in NOTEBOOKS}
     assert len(firsts) == 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_imports_only_public_kvjax_names(path):
+    private = []
+    for cell in _cells(path):
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse(_source(cell))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "kvjax" and any(p.startswith("_") for p in parts):
+                    private.append(name)
+    assert private == [], f"{path.name} imports private kvjax names: {private}"
 
 
 @pytest.mark.slow
