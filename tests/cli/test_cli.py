@@ -67,8 +67,10 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):
 
     code, _, err = run(capsys, *argv)
     assert code == 2
-    assert err.startswith("error: ")
-    assert re.search(match, err)
+    # Progress lines ("[kvjax] loading ...") may come first; the error is one line.
+    lines = [line for line in err.splitlines() if not line.startswith("[kvjax] ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert re.search(match, lines[0])
 
 
 def test_corrupt_model_file_is_reported(capsys, tmp_path):
