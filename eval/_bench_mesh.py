@@ -100,7 +100,10 @@ def sharded_decode(
         return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
 
     with use_layout(layout):
-        return jax.lax.fori_loop(0, steps, body, (constrain_cache(cache), tok))
+        cache, tok = jax.lax.fori_loop(0, steps, body, (constrain_cache(cache), tok))
+        # Outputs carry the inputs' shardings, so feeding them back hits the same executable.
+        rows = NamedSharding(layout.mesh, layout.spec(Names((Axis.BATCH,))))
+        return constrain_cache(cache), jax.lax.with_sharding_constraint(tok, rows)
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:

@@ -2,6 +2,7 @@
 (data x model) mesh, the all-tier QEvict on every mesh; the same greedy tokens, telemetry within
 float32 summation order, one compilation; and the decode logits within 1e-5."""
 
+import dataclasses
 import functools
 
 import jax
@@ -93,3 +94,15 @@ def test_decode_logits_within_1e5_of_unsharded(model8, policy8, case, mesh_name)
     got = _decode_logits(config, policy, layout, shard_params(params, layout), cache, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5)
     assert float(jnp.max(jnp.abs(ref))) > 1e-3  # logits that say something
+
+
+@pytest.mark.parametrize("case", ["confkv-int8", "kivi"])
+def test_pallas_kernels_per_device_on_2x4_match_unsharded(model8, policy8, case):
+    """The Pallas decode kernels (INT8 tier; KIVI's low-bit pages) and the slot-write kernel
+    run per device under shard_map (CPU: the interpreter) and give the XLA tokens."""
+    config, params = model8
+    changes = {"write_kernel": "pallas"} if case == "confkv-int8" else {}
+    policy = policy8(case, **changes)
+    gen = dataclasses.replace(GEN, implementation="pallas")
+    got = generate(config, params, PROMPTS, policy=policy, gen=gen, mesh=mesh("2x4"))
+    _assert_same(got, _reference(model8, policy8(case)))

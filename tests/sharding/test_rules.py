@@ -162,3 +162,13 @@ def test_cache_spec_unchanged_by_sharding():
 
     spec = cache_spec_for(CONFIG8, build("h2o", 16), batch=8, max_len=40, dtype=jnp.float32)
     assert spec.num_kv_heads == 8 and spec.batch == 8
+
+
+def test_bench_mesh_flag_parses_and_rejects_bad_text():
+    from kvjax.eval._bench_mesh import parse_mesh
+
+    assert parse_mesh("data=1,model=1") == {"data": 1, "model": 1}
+    assert parse_mesh("data=2, model=4") == {"data": 2, "model": 4}
+    for bad in ("data", "data=0", "data=1,data=2", "model=x", ""):
+        with pytest.raises(ValueError, match="--mesh must be name=size pairs"):
+            parse_mesh(bad)
