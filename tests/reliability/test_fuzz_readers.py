@@ -84,14 +84,17 @@ def check(load, path: pathlib.Path, name: str) -> None:
 # --- GGUF (weights) ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> bytes:
+def tiny_gguf_bytes(folder: pathlib.Path) -> bytes:
     from weights.test_gguf import tiny, write_gguf
 
     hf, config = tiny(GOLDENS / "llama_tiny")
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(path, "llama", hf, config, permute=True)
-    return path.read_bytes()
+    write_gguf(folder / "tiny.gguf", "llama", hf, config, permute=True)
+    return (folder / "tiny.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> bytes:
+    return tiny_gguf_bytes(tmp_path_factory.mktemp("gguf"))
 
 
 @FUZZ
@@ -106,13 +109,16 @@ def test_gguf_reader_on_hostile_files(tiny_gguf, tmp_path, data):
 # --- GGUF (tokenizer) -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vocab_gguf(tmp_path_factory) -> bytes:
+def vocab_gguf_bytes(folder: pathlib.Path) -> bytes:
     from weights.test_tokenizer import write_vocab_gguf
 
-    path = tmp_path_factory.mktemp("tok") / "vocab.gguf"
-    write_vocab_gguf(path, "gpt2")
-    return path.read_bytes()
+    write_vocab_gguf(folder / "vocab.gguf", "gpt2")
+    return (folder / "vocab.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def vocab_gguf(tmp_path_factory) -> bytes:
+    return vocab_gguf_bytes(tmp_path_factory.mktemp("tok"))
 
 
 @FUZZ
@@ -184,12 +190,15 @@ def test_config_json_reader_on_hostile_values(tmp_path, data):
 # --- tokenizer.json -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory, vocab_gguf) -> bytes:
-    folder = tmp_path_factory.mktemp("tokjson")
-    (folder / "v.gguf").write_bytes(vocab_gguf)
+def tokenizer_json_bytes(folder: pathlib.Path, vocab: bytes) -> bytes:
+    (folder / "v.gguf").write_bytes(vocab)
     Tokenizer.from_gguf(folder / "v.gguf").backend.save(str(folder / "tokenizer.json"))
     return (folder / "tokenizer.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory, vocab_gguf) -> bytes:
+    return tokenizer_json_bytes(tmp_path_factory.mktemp("tokjson"), vocab_gguf)
 
 
 @FUZZ
