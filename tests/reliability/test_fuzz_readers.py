@@ -165,14 +165,17 @@ _BAD_VALUES = [-1, 0, 2**40, 2**63, 1.5, "x", None, [], {}, True, float("nan")]
 @example(data="rms_norm_eps=null")
 @example(data='rms_norm_eps="x"')
 @example(data="rope_parameters=-1")
+@example(data="num_attention_heads=0;head_dim=0")  # ZeroDivisionError, the 2026-12-01 campaign
 def test_config_json_reader_on_hostile_values(tmp_path, data):
     folder = _hf_copy(tmp_path)
     cfg_path = folder / "config.json"
     if data is None:
         cfg_path.write_text("{not json")
-    elif isinstance(data, str):  # a recorded failure: key=value (JSON)
-        key, value = data.split("=")
-        cfg = json.loads(cfg_path.read_text()) | {key: json.loads(value)}
+    elif isinstance(data, str):  # a recorded failure: key=value;key=value (JSON values)
+        cfg = json.loads(cfg_path.read_text())
+        for item in data.split(";"):
+            key, value = item.split("=")
+            cfg[key] = json.loads(value)
         cfg_path.write_text(json.dumps(cfg))
     else:
         cfg = json.loads(cfg_path.read_text())
