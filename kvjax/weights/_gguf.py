@@ -65,7 +65,18 @@ def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> An
         if default is _MISSING:
             raise ValueError(f"GGUF file {reader.data.filename} has no metadata key {key!r}")
         return default
-    return field.contents()
+    return _contents(reader, key, field)
+
+
+def _contents(reader: gguf.GGUFReader, key: str, field: Any) -> Any:
+    """A field's value; a corrupt one (bad UTF-8, bad type tag) is one error naming the file."""
+    try:
+        return field.contents()
+    except Exception as e:  # gguf decodes lazily: UnicodeDecodeError, IndexError, KeyError, ...
+        raise ValueError(
+            f"{reader.data.filename} is not a valid GGUF file: metadata key {key!r} is corrupt "
+            f"({type(e).__name__}: {e})"
+        ) from None
 
 
 def _read_config(reader: gguf.GGUFReader, name: str) -> ModelConfig:
@@ -118,7 +129,7 @@ def _metadata(reader: gguf.GGUFReader, path: pathlib.Path) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key in _BULKY_FIELDS or key.startswith("GGUF."):
             continue
-        meta[key] = field.contents()
+        meta[key] = _contents(reader, key, field)
     meta["tensor_types"] = dict(collections.Counter(t.tensor_type.name for t in reader.tensors))
     return meta
 

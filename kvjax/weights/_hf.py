@@ -61,7 +61,11 @@ class _SafetensorsDir:
         """Tensor `name` as numpy (bf16 comes back as ml_dtypes.bfloat16), shape-checked."""
         path = self.files.get(name)
         if path is None:
-            raise ValueError(f"Tensor {name!r} is missing from the checkpoint in {self.directory}")
+            shards = sorted({p.name for p in self.files.values()})
+            raise ValueError(
+                f"Tensor {name!r} is missing from the checkpoint in {self.directory} "
+                f"(files {shards})"
+            )
         if path not in self._handles:
             self._handles[path] = self._open(path)
         try:

@@ -165,7 +165,7 @@ def read_hf_config(directory: pathlib.Path) -> tuple[ModelConfig, dict[str, Any]
     build = _gpt2_config if model_type in GPT2_MODEL_TYPES else _llama_config
     try:
         return build(raw, source, directory.name), raw
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong value types
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # wrong values
         if str(source) in str(e):
             raise
         raise ValueError(f"{source}: invalid value ({type(e).__name__}: {e})") from None

@@ -84,14 +84,17 @@ def check(load, path: pathlib.Path, name: str) -> None:
 # --- GGUF (weights) ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> bytes:
+def tiny_gguf_bytes(folder: pathlib.Path) -> bytes:
     from weights.test_gguf import tiny, write_gguf
 
     hf, config = tiny(GOLDENS / "llama_tiny")
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(path, "llama", hf, config, permute=True)
-    return path.read_bytes()
+    write_gguf(folder / "tiny.gguf", "llama", hf, config, permute=True)
+    return (folder / "tiny.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> bytes:
+    return tiny_gguf_bytes(tmp_path_factory.mktemp("gguf"))
 
 
 @FUZZ
@@ -106,13 +109,16 @@ def test_gguf_reader_on_hostile_files(tiny_gguf, tmp_path, data):
 # --- GGUF (tokenizer) -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vocab_gguf(tmp_path_factory) -> bytes:
+def vocab_gguf_bytes(folder: pathlib.Path) -> bytes:
     from weights.test_tokenizer import write_vocab_gguf
 
-    path = tmp_path_factory.mktemp("tok") / "vocab.gguf"
-    write_vocab_gguf(path, "gpt2")
-    return path.read_bytes()
+    write_vocab_gguf(folder / "vocab.gguf", "gpt2")
+    return (folder / "vocab.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def vocab_gguf(tmp_path_factory) -> bytes:
+    return vocab_gguf_bytes(tmp_path_factory.mktemp("tok"))
 
 
 @FUZZ
@@ -159,14 +165,17 @@ _BAD_VALUES = [-1, 0, 2**40, 2**63, 1.5, "x", None, [], {}, True, float("nan")]
 @example(data="rms_norm_eps=null")
 @example(data='rms_norm_eps="x"')
 @example(data="rope_parameters=-1")
+@example(data="num_attention_heads=0;head_dim=0")  # ZeroDivisionError, the 2026-12-01 campaign
 def test_config_json_reader_on_hostile_values(tmp_path, data):
     folder = _hf_copy(tmp_path)
     cfg_path = folder / "config.json"
     if data is None:
         cfg_path.write_text("{not json")
-    elif isinstance(data, str):  # a recorded failure: key=value (JSON)
-        key, value = data.split("=")
-        cfg = json.loads(cfg_path.read_text()) | {key: json.loads(value)}
+    elif isinstance(data, str):  # a recorded failure: key=value;key=value (JSON values)
+        cfg = json.loads(cfg_path.read_text())
+        for item in data.split(";"):
+            key, value = item.split("=")
+            cfg[key] = json.loads(value)
         cfg_path.write_text(json.dumps(cfg))
     else:
         cfg = json.loads(cfg_path.read_text())
@@ -184,12 +193,15 @@ def test_config_json_reader_on_hostile_values(tmp_path, data):
 # --- tokenizer.json -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory, vocab_gguf) -> bytes:
-    folder = tmp_path_factory.mktemp("tokjson")
-    (folder / "v.gguf").write_bytes(vocab_gguf)
+def tokenizer_json_bytes(folder: pathlib.Path, vocab: bytes) -> bytes:
+    (folder / "v.gguf").write_bytes(vocab)
     Tokenizer.from_gguf(folder / "v.gguf").backend.save(str(folder / "tokenizer.json"))
     return (folder / "tokenizer.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory, vocab_gguf) -> bytes:
+    return tokenizer_json_bytes(tmp_path_factory.mktemp("tokjson"), vocab_gguf)
 
 
 @FUZZ
