@@ -133,12 +133,28 @@ def build_sample(tok: Tokenizer, task: str, length: int, seed: int) -> RulerSamp
     """
     if task not in TASKS:
         raise ValueError(f"unknown RULER task {task!r}; choose from {sorted(TASKS)}")
+    return _build(tok, task, length, seed, length - question_reserve(tok, task, length))
+
+
+@functools.cache
+def question_reserve(tok: Tokenizer, task: str, length: int) -> int:
+    """Tokens left for the question part: the median over 8 probe samples (seeds 10⁶…) of the
+    question part of a prompt fitted to exactly `length`. Every sample of (task, length) then
+    has a context of exactly length − reserve tokens (one compiled press per policy, budget and
+    cell), its prompt within a few tokens of `length`."""
+    probes = [len(_build(tok, task, length, 10**6 + i, None).question) for i in range(8)]
+    return int(np.median(probes))
+
+
+def _build(tok, task, length, seed, context_len) -> RulerSample:
+    """A sample whose context is `context_len` tokens (None: whatever makes the prompt exactly
+    `length`)."""
     rng = np.random.default_rng([seed, length, sorted(TASKS).index(task)])
     if task == "vt":
-        return _vt(tok, length, rng)
+        return _vt(tok, length, rng, context_len)
     if task in ("cwe", "fwe"):
         return _counting(tok, task, length, rng)
-    return _niah(tok, task, length, rng)
+    return _niah(tok, task, length, rng, context_len)
 
 
 def _chat(tok: Tokenizer, text: str, prefix: str, **fmt) -> tuple[list[int], list[int]]:
@@ -164,10 +180,11 @@ def _haystack(tok: Tokenizer, kind: str) -> tuple[int, ...]:
     return tuple(tok.encode(text))
 
 
-def _assemble(tok, task, length, rng, head, tail, hay, inserts, answers) -> RulerSample:
-    """Cut `hay` so the prompt is `length` tokens and splice `inserts` (token lists, in order)
-    at random sentence ends, in order of depth."""
-    n = length - len(head) - len(tail) - sum(map(len, inserts))
+def _assemble(tok, task, length, rng, head, tail, hay, inserts, answers, ctx) -> RulerSample:
+    """Cut `hay` so the context is `ctx` tokens (None: the prompt `length`) and splice
+    `inserts` (token lists, in order) at random sentence ends, in order of depth."""
+    ctx = length - len(tail) if ctx is None else ctx
+    n = ctx - len(head) - sum(map(len, inserts))
     if n < 1 or n > len(hay):
         raise ValueError(f"RULER {task}: length {length} cannot fit (haystack {n} tokens)")
     body = list(hay[:n])
@@ -188,7 +205,7 @@ def _assemble(tok, task, length, rng, head, tail, hay, inserts, answers) -> Rule
     )
 
 
-def _niah(tok, task, length, rng) -> RulerSample:
+def _niah(tok, task, length, rng, ctx) -> RulerSample:
     hay_kind, k_kind, v_kind, n_keys, n_values, n_query = TASKS[task]
     keys: list[str] = []
     while len(keys) < n_keys + (40 if hay_kind == "needle" else 0):
@@ -214,10 +231,10 @@ def _niah(tok, task, length, rng) -> RulerSample:
     else:
         hay = _haystack(tok, hay_kind)
     answers = [v for vs in values[:n_query] for v in vs]
-    return _assemble(tok, task, length, rng, head, tail, hay, inserts, answers)
+    return _assemble(tok, task, length, rng, head, tail, hay, inserts, answers, ctx)
 
 
-def _vt(tok, length, rng) -> RulerSample:
+def _vt(tok, length, rng, ctx) -> RulerSample:
     names: list[str] = []
     while len(names) < 5:
         if (v := "".join(chr(65 + c) for c in rng.integers(0, 26, 5))) not in names:
@@ -227,7 +244,8 @@ def _vt(tok, length, rng) -> RulerSample:
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in hops]
     head, tail = _chat(tok, *VT_TEXT, query=value)
     inserts = [tok.encode(" " + s) for s in chain]
-    return _assemble(tok, "vt", length, rng, head, tail, _haystack(tok, "noise"), inserts, names)
+    hay = _haystack(tok, "noise")
+    return _assemble(tok, "vt", length, rng, head, tail, hay, inserts, names, ctx)
 
 
 @functools.cache
@@ -266,6 +284,9 @@ def _counting(tok, task, length, rng) -> RulerSample:
         lo, hi = (mid, hi) if len(tok.encode(render(make(mid)[0]))) <= room else (lo, mid - 1)
     items, answers = make(lo)
     body = tok.encode(render(items))
+    pad = tok.encode("\n")
+    if len(pad) == 1:  # every sample's context the same length (one press compile per cell)
+        body += pad * max(0, room - len(body))
     if len(body) > room or room - len(body) > 0.01 * length:
         raise ValueError(f"RULER {task}: length {length} cannot fit ({len(body)} of {room})")
     if task == "fwe":
