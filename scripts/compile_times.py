@@ -1,7 +1,9 @@
 """Compile seconds of the decode loop per policy (random-init model shapes, no cache fill).
 
     .venv/bin/python scripts/compile_times.py --preset SmolLM2-135M --budget 256 --context 1024 \
-        --policy full window qevict
+        --policy full window qevict confkv-l=512
+
+(NAME=BUDGET gives one policy its own budget; NAME@KERNEL picks a ranked policy's write kernel.)
 
 For each policy: trace + lower seconds, XLA compile seconds (wall and this process's CPU
 seconds, which a busy machine disturbs less) of `bench decode`'s decode loop (`_decode`), the
@@ -25,7 +27,7 @@ from kvjax.generate import new_cache
 from kvjax.models import PRESETS, init_params
 
 ALL = [
-    "full", "window", "streaming", "h2o", "tova", "snapkv", "random", "confkv", "confkv-l",
+    "full", "window", "streaming", "h2o", "tova", "snapkv", "random", "confkv", "confkv-l=512",
     "kivi", "kvpop", "qevict",
 ]  # fmt: skip
 
@@ -35,6 +37,8 @@ def _count(text: str) -> int:
 
 
 def measure(config, params, spec: str, budget: int, context: int, batch: int, steps: int):
+    spec, _, own = spec.partition("=")  # NAME=BUDGET: this policy at its own budget
+    budget = int(own) if own else budget
     policy = policy_from_spec(spec, budget, config.num_layers)
     cache = new_cache(config, policy, batch=batch, max_len=context, dtype=jnp.float32)
     tok = jnp.zeros((batch,), jnp.int32)
@@ -45,6 +49,7 @@ def measure(config, params, spec: str, budget: int, context: int, batch: int, st
     t2, c2 = time.perf_counter(), time.process_time()
     return dict(
         policy=spec,
+        budget=budget,
         lower_s=round(t1 - t0, 2),
         compile_s=round(t2 - t1, 2),
         compile_cpu_s=round(c2 - c1, 2),
