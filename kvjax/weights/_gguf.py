@@ -20,6 +20,7 @@ from tqdm import tqdm
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._params import LlamaLayer, LlamaParams
 from kvjax.weights._common import check_shape, clean_float, to_jax, unpermute_rope_rows
+from kvjax.weights._gguf_check import check_gguf_sizes
 
 # GGUF architecture names we read as Arch.LLAMA. llama.cpp's converter permutes the Q/K rows of the
 # families that use its "normal" (interleaved) RoPE; Qwen2 uses NEOX RoPE and keeps the HF order.
@@ -48,6 +49,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if not path.is_file():
         raise ValueError(f"{path} is not a valid GGUF file: it is not a regular file")
+    check_gguf_sizes(path)  # declared sizes against the file's, before the reader allocates
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct.error, OSError, ...

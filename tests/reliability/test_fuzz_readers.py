@@ -231,3 +231,39 @@ def test_scorer_reader_on_hostile_files(tmp_path, data):
     path = tmp_path / "hostile_scorer.msgpack"
     path.write_bytes(mutate(blob, m))
     check(load_scorer, path, "hostile_scorer.msgpack")
+
+
+# --- failures the 2026-12-01 campaign found, kept as explicit cases ---------------------------
+
+
+def test_gguf_metadata_that_is_not_utf8_names_the_file(tiny_gguf, tmp_path):
+    path = tmp_path / "bad_utf8.gguf"
+    assert tiny_gguf.count(b"llama") >= 1
+    path.write_bytes(tiny_gguf.replace(b"llama", b"\xec\xec\xec\xec\xec", 1))
+    with pytest.raises(ValueError, match=r"bad_utf8.gguf is not a valid GGUF file: metadata key"):
+        load_gguf(path)
+
+
+def test_renamed_safetensors_tensor_names_the_shard(tmp_path):
+    folder = _hf_copy(tmp_path)
+    blob = (folder / "model.safetensors").read_bytes()
+    name = b"model.norm.weight"
+    assert name in blob
+    (folder / "model.safetensors").write_bytes(blob.replace(name, b"model.norm.weighx", 1))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is missing.*model.safetensors"):
+        load_hf_dir(folder)
+
+
+def test_gguf_array_type_flip_is_refused_before_the_reader_allocates(vocab_gguf, tmp_path):
+    """Byte 190 of the vocab file is an array's element type (8, string); as 9 (array) the
+    reader read a string length as a count of 1.5e12 elements and grew past 1.8 GB (the
+    2026-12-01 campaign). The header walk refuses it first."""
+    blob = bytearray(vocab_gguf)
+    assert blob[190] == 8
+    blob[190] = 9
+    path = tmp_path / "array_flip.gguf"
+    path.write_bytes(bytes(blob))
+    peak = _peak_mib()
+    with pytest.raises(ValueError, match=r"array_flip.gguf is not a valid GGUF file: .*array of"):
+        Tokenizer.from_gguf(path)
+    assert _peak_mib() - peak < 64
