@@ -185,6 +185,8 @@ def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> t
     full = [s["score"] for s in summary if s["policy"] == "full"]
     for name in dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"):
         pts = sorted((s["ratio"], s["score"]) for s in summary if s["policy"] == name)
+        if full and pts[0][0] > 0:  # as kvpress plots: every line starts at the full cache
+            pts.insert(0, (0.0, full[0]))
         ax.plot(*zip(*pts, strict=True), marker="o", label=name)
     if full:
         ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
