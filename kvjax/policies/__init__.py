@@ -28,7 +28,43 @@ from kvjax.policies._streaming import StreamingPolicy
 from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
 
+# Short names, as in `lm.chat(..., policy=kvjax.policies.QEvict(budget=512))`: the same classes.
+ChunkKV = ChunkKVPolicy
+ConfKV = ConfKVPolicy
+ExpectedAttention = ExpectedAttentionPolicy
+Full = FullPolicy
+H2O = H2OPolicy
+KIVI = KIVIPolicy
+KeyDiff = KeyDiffPolicy
+Knorm = KnormPolicy
+KVpop = KVpopPolicy
+KVzip = KVzipPolicy
+PyramidKV = PyramidKVPolicy
+QEvict = QEvictPolicy
+Random = RandomPolicy
+SnapKV = SnapKVPolicy
+Streaming = StreamingPolicy
+TOVA = TOVAPolicy
+Window = WindowPolicy
+
 __all__ = [
+    "ChunkKV",
+    "ConfKV",
+    "ExpectedAttention",
+    "Full",
+    "H2O",
+    "KIVI",
+    "KeyDiff",
+    "Knorm",
+    "KVpop",
+    "KVzip",
+    "PyramidKV",
+    "QEvict",
+    "Random",
+    "SnapKV",
+    "Streaming",
+    "TOVA",
+    "Window",
     "AppendPolicy",
     "BUDGETLESS",
     "ChunkKVPolicy",

@@ -46,3 +46,21 @@ def test_generate_callable_package_and_function_agree(tiny_lm):
     b = kg.generate(*args, policy=policy, gen=gen)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert kvjax.model_step is kg.model_step and kvjax.new_cache is kg.new_cache
+
+
+def test_short_policy_names_are_the_registered_classes():
+    # Each short name is the class the registry builds under its policy name.
+    pairs = {
+        "QEvict": "qevict",
+        "ConfKV": "confkv",
+        "KVpop": "kvpop",
+        "H2O": "h2o",
+        "Streaming": "streaming",
+        "Window": "window",
+        "SnapKV": "snapkv",
+        "KIVI": "kivi",
+    }
+    for short, name in pairs.items():
+        cls = getattr(kvjax.policies, short)
+        assert short in kvjax.policies.__all__
+        assert cls is kvjax.policies.POLICIES[name], short
