@@ -172,3 +172,21 @@ def test_bench_mesh_flag_parses_and_rejects_bad_text():
     for bad in ("data", "data=0", "data=1,data=2", "model=x", ""):
         with pytest.raises(ValueError, match="--mesh must be name=size pairs"):
             parse_mesh(bad)
+
+
+def test_without_a_layout_the_step_traces_as_before(model8, policy8):
+    """mesh=None adds nothing to the traced step (no sharding constraint, no shard_map); under a
+    layout the step pins the cache and runs the Pallas kernels under shard_map."""
+    from kvjax.generate import model_step
+    from kvjax.sharding import use_layout
+
+    config, params = model8
+    policy = policy8("window")
+    cache = new_cache(config, policy, batch=8, max_len=40, dtype=jnp.float32)
+    tok, valid = jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1), bool)
+    step = lambda p, c: model_step(config, policy, p, c, tok, valid, implementation="pallas")
+    plain = str(jax.make_jaxpr(step)(params, cache))
+    assert "sharding_constraint" not in plain and "shard_map" not in plain
+    with use_layout(_layout(config, mesh("2x4"))):
+        sharded = str(jax.make_jaxpr(step)(params, cache))
+    assert "sharding_constraint" in sharded and "shard_map" in sharded
