@@ -193,35 +193,16 @@ class Tokenizer:
                 f"GGUF file {reader.data.filename} has pre-tokenizer {pre!r}; supported: "
                 f"{sorted(_GPT2_SPLIT | _DIGITS_THEN_GPT2_SPLIT)}"
             )
-        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
-        types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-        backend = tokenizers.Tokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _DIGITS_THEN_GPT2_SPLIT:
-            digits = pre_tokenizers.Digits(individual_digits=True)
-            backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        alphabet = _byte_alphabet()
-        # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel (as in
-        # transformers' GGUF loader): adding it would change how ordinary text splits.
-        backend.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, token_type in zip(tokens, types, strict=True)
-                if token_type == _CONTROL and set(t) <= alphabet
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, token_type in zip(tokens, types, strict=True)
-                if token_type == _USER_DEFINED
-            ]
-        )
+        try:
+            backend = _gguf_backend(reader, pre)
+        except ValueError as e:
+            if str(reader.data.filename) in str(e):
+                raise
+            raise ValueError(f"GGUF file {reader.data.filename}: corrupt tokenizer ({e})") from None
+        except Exception as e:  # tokenizers raises bare Exceptions on a bad vocab or merges
+            raise ValueError(
+                f"GGUF file {reader.data.filename}: corrupt tokenizer ({type(e).__name__}: {e})"
+            ) from None
         eos = [
             gguf_field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")
         ]
@@ -287,3 +268,37 @@ def _template_text(template: str | list[dict[str, str]] | None) -> str | None:
         named = {t.get("name"): t.get("template") for t in template}
         return named.get("default") or next(iter(named.values()), None)
     return template
+
+
+def _gguf_backend(reader, pre: str) -> tokenizers.Tokenizer:
+    """The BPE backend of a GGUF file's gpt2-style tokenizer (vocab, merges, specials)."""
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+    backend = tokenizers.Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_SPLIT:
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    alphabet = _byte_alphabet()
+    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel (as in
+    # transformers' GGUF loader): adding it would change how ordinary text splits.
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, token_type in zip(tokens, types, strict=True)
+            if token_type == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, token_type in zip(tokens, types, strict=True)
+            if token_type == _USER_DEFINED
+        ]
+    )
+    return backend

@@ -267,3 +267,14 @@ def test_gguf_array_type_flip_is_refused_before_the_reader_allocates(vocab_gguf,
     with pytest.raises(ValueError, match=r"array_flip.gguf is not a valid GGUF file: .*array of"):
         Tokenizer.from_gguf(path)
     assert _peak_mib() - peak < 64
+
+
+def test_gguf_merges_outside_the_vocab_name_the_file(vocab_gguf, tmp_path):
+    """A vocab whose merges name a token it lacks made `tokenizers` raise a bare Exception
+    ("Token `a` out of vocabulary"; the 2026-12-01 campaign)."""
+    a = struct.pack("<Q", 1) + b"a"
+    assert a in vocab_gguf
+    path = tmp_path / "bad_merges.gguf"
+    path.write_bytes(vocab_gguf.replace(a, struct.pack("<Q", 1) + b"z", 1))
+    with pytest.raises(ValueError, match=r"bad_merges.gguf: corrupt tokenizer"):
+        Tokenizer.from_gguf(path)
