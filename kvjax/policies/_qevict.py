@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,25 +161,28 @@ class QEvictPolicy(Policy):
         return jnp.maximum(n - self.sinks - self.local_band, 0) // self.window
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
-        del state, layer_index
-        return apply_moves(
-            [self._route(layer, k_new, v_new, pos_new, valid, stats)], moves=self.moves
-        )[0]
+        del layer_index
+        return self.write_layers([layer], [k_new], [v_new], pos_new, valid, [stats], state)[0]
 
     def write_layers(self, layers, k_new, v_new, pos_new, valid, stats, state):
-        """Every layer's write, with one pair of data-movement loops for all layers (see
-        `apply_moves`): the same result as `write` per layer, with 2 device-side loop trip
-        counts per step instead of 2 per layer."""
+        """Every layer's write: each layer's scores and ring first, then one routing cond
+        for all layers (their small arrays stacked, one ranking for every layer: the event
+        depends on positions only, so all layers route on the same steps) and one pair of
+        data-movement loops for all layers (`apply_moves`). Per layer this equals `write`;
+        the cond and the loops cost 1 and 2 device-side trip counts a step, not 1 and 2 per
+        layer, and the ranking compiles once rather than once per layer."""
         del state
-        jobs = [
-            self._route(layer, k, v, pos_new, valid, st)
+        pres = [
+            self._before_route(layer, k, v, pos_new, valid, st)
             for layer, k, v, st in zip(layers, k_new, v_new, stats, strict=True)
         ]
+        routed = self._route_all(pres)
+        jobs = [self._job(pre, st, plan) for pre, (st, plan) in zip(pres, routed, strict=True)]
         return apply_moves(jobs, moves=self.moves)
 
-    def _route(self, layer, k_new, v_new, pos_new, valid, stats) -> MoveJob:
-        """One layer's write up to its data movement: scores, this call's tokens in the ring,
-        the routing event's metadata (under a cond on small arrays) and its MoveJob."""
+    def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
+        """One layer's write up to its routing event: scores, this call's tokens in the ring,
+        the windows leaving the ring and the small arrays the event reads."""
         lay = self.layout(layer.k.shape[-1], layer.k.dtype)
         b, t, h, d = k_new.shape
         w, r, s = self.window, lay.ring, self.sinks
@@ -232,22 +236,57 @@ class QEvictPolicy(Policy):
                 layer.pos, jnp.where(gone, -1, ring_pos), s, axis=2
             )
         )
-        event = l1 > l0
         lb = layer.lowbit
         st = RouteState(layer.pos, layer.score, lb.pos, lb.score, lb.held, layer.aux.fp_ledger)
         nwin = jnp.broadcast_to(win[:, None, :], (b, h, kk))
-        # The ranking (a sort) runs under the cond on small arrays only; the K/V and codes move
-        # outside it, in place (loops of zero rounds on steps without an event).
-        st, plan = jax.lax.cond(
-            jnp.any(event),
-            lambda st: route(st, lay, new_score, win, event, moves=self.moves),
-            lambda st: (st, empty_plan(b, h, lay, kk, self.moves)),
-            st,
-        )
-        layer = layer.replace(
+        return _PreRoute(layer, lay, st, new_k, new_v, new_score, win, l1 > l0, nwin)
+
+    def _route_all(self, pres: list[_PreRoute]) -> list[tuple[RouteState, Any]]:
+        """Every layer's routing event under one cond on small arrays: (new small arrays,
+        MovePlan) per layer. The ranking (sorts) is vmapped over the stacked layers; the K/V
+        and codes move outside the cond, in place (loops of zero rounds without an event)."""
+        lay, win, event = pres[0].lay, pres[0].win, pres[0].event
+        if any(p.lay != lay for p in pres):
+            raise ValueError("QEvict's layers must share one layout (head_dim and dtype)")
+        b, h, kk = pres[0].nwin.shape
+        n = len(pres)
+        one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
+
+        def run(ops):
+            sts, scores = ops
+            stack = lambda *xs: jnp.stack(xs)
+            new, plan = jax.vmap(one)(jax.tree.map(stack, *sts), jnp.stack(scores))
+            return [jax.tree.map(lambda x, i=i: x[i], (new, plan)) for i in range(n)]
+
+        def skip(ops):
+            return [(st, empty_plan(b, h, lay, kk, self.moves)) for st in ops[0]]
+
+        ops = ([p.st for p in pres], [p.new_score for p in pres])
+        return jax.lax.cond(jnp.any(event), run, skip, ops)
+
+    def _job(self, pre: _PreRoute, st: RouteState, plan) -> MoveJob:
+        """A layer with its routing event's small arrays applied, and its data movement."""
+        lb = pre.layer.lowbit
+        layer = pre.layer.replace(
             pos=st.pos,
             score=st.score,
             lowbit=lb.replace(pos=st.page_pos, score=st.page_score, held=st.held),
             aux=QEvictAux(fp_ledger=st.fp_ledger),
         )
-        return MoveJob(layer, lay, plan, lb.pos, lb.score, new_k, new_v, new_score, nwin)
+        return MoveJob(
+            layer, pre.lay, plan, lb.pos, lb.score, pre.new_k, pre.new_v, pre.new_score, pre.nwin
+        )
+
+
+class _PreRoute(NamedTuple):
+    """One layer's state between its ring write and its routing event (see `_before_route`)."""
+
+    layer: Any
+    lay: Layout
+    st: RouteState
+    new_k: Array
+    new_v: Array
+    new_score: Array
+    win: Array
+    event: Array
+    nwin: Array
