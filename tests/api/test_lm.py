@@ -3,6 +3,7 @@ results per prompt, drops stop tokens, batches texts of different lengths exactl
 per shape, and refuses bad input with one clear error."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,3 +188,22 @@ def test_core_refuses_bad_token_shapes(tiny_lm):
             np.ones(3, np.int32),
             np.ones(3, bool),
         )
+
+
+def test_lm_on_a_mesh_generates_the_unsharded_tokens(tiny_lm):
+    # The same LM placed on a 2x2 (data x model) mesh of the fake CPU devices: same tokens as the
+    # unsharded LM, params really split over `model`, and scoring on a mesh is refused clearly.
+    from kvjax.sharding import make_mesh
+
+    mesh = make_mesh(data=2, model=2)
+    sharded = kvjax.LM(
+        config=tiny_lm.config, params=tiny_lm.params, tokenizer=tiny_lm.tokenizer, mesh=mesh
+    )
+    prompts = ["ab", "a longer prompt"]
+    want = tiny_lm.generate(prompts, policy="h2o", budget=8, max_new_tokens=5)
+    got = sharded.generate(prompts, policy="h2o", budget=8, max_new_tokens=5)
+    assert got.tokens == want.tokens
+    leaves = [x for x in jax.tree_util.tree_leaves(sharded.params) if x.ndim == 2]
+    assert any(len({s.index for s in x.addressable_shards}) > 1 for x in leaves)
+    with pytest.raises(ValueError, match="mesh"):
+        sharded.ppl("some text", policy="window", budget=8)
