@@ -67,7 +67,8 @@ def main(n: int, names: list[str]) -> None:
             run()
             status = "no failure"
         except Exception as e:  # a falsifying example: hypothesis re-raises it
-            status = f"FAILURE {type(e).__name__}: {str(e)[:300]}"
+            subs = getattr(e, "exceptions", [e])
+            status = "FAILURE " + " | ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in subs)
         fz.check = orig
         print(
             f"SUMMARY {name}: {sum(count.values())} cases, {dict(count)}, "

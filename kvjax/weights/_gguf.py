@@ -141,7 +141,12 @@ def load_gguf_reader(
 ) -> tuple[ModelConfig, LlamaParams, dict[str, Any]]:
     """`load_gguf` on an already opened reader (lets `load_model` share it with the tokenizer)."""
     path = pathlib.Path(reader.data.filename)
-    config = _read_config(reader, name=path.stem)
+    try:
+        config = _read_config(reader, name=path.stem)
+    except (ValueError, TypeError, ArithmeticError) as e:  # metadata values ModelConfig refuses
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"GGUF file {path}: invalid model metadata ({e})") from None
     arch = gguf_field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size

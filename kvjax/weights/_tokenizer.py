@@ -239,14 +239,21 @@ class Tokenizer:
             optional("generation_config.json"),
             optional("config.json"),
         )
-        ids = [backend.token_to_id(_token_text(tok_cfg.get("eos_token")) or "")]
-        for cfg in (gen_cfg, model_cfg):
-            value = cfg.get("eos_token_id")
-            ids += value if isinstance(value, list) else [value]
-        bos = backend.token_to_id(_token_text(tok_cfg.get("bos_token")) or "")
-        if bos is None:
-            bos = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
-        template = _template_text(tok_cfg.get("chat_template"))
+        try:
+            ids = [backend.token_to_id(_token_text(tok_cfg.get("eos_token")) or "")]
+            for cfg in (gen_cfg, model_cfg):
+                value = cfg.get("eos_token_id")
+                ids += value if isinstance(value, list) else [value]
+            bos = backend.token_to_id(_token_text(tok_cfg.get("bos_token")) or "")
+            if bos is None:
+                bos = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
+            template = _template_text(tok_cfg.get("chat_template"))
+            if template is not None and not isinstance(template, str):
+                raise TypeError(f"chat_template is a {type(template).__name__}, not text")
+        except (TypeError, AttributeError, ValueError) as e:  # values of the wrong type
+            raise ValueError(
+                f"{directory}: a tokenizer/generation config value is invalid ({e})"
+            ) from None
         if (directory / "chat_template.jinja").is_file():
             template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(

@@ -278,3 +278,32 @@ def test_gguf_merges_outside_the_vocab_name_the_file(vocab_gguf, tmp_path):
     path.write_bytes(vocab_gguf.replace(a, struct.pack("<Q", 1) + b"z", 1))
     with pytest.raises(ValueError, match=r"bad_merges.gguf: corrupt tokenizer"):
         Tokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize(
+    "config", ['{"eos_token": 5}', '{"chat_template": 1}', '{"eos_token": {"content": 3}}']
+)
+def test_tokenizer_config_values_of_the_wrong_type_name_the_folder(
+    tokenizer_json, tmp_path, config
+):
+    """tokenizers raised TypeError ("'int' object is not an instance of 'str'"; the 2026-12-01
+    campaign) on an eos token given as a number."""
+    folder = tmp_path / "bad_tok_cfg"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tokenizer_json)
+    (folder / "tokenizer_config.json").write_text(config)
+    with pytest.raises(ValueError, match=r"bad_tok_cfg: a tokenizer/generation config value"):
+        Tokenizer.from_hf_dir(folder)
+
+
+def test_gguf_metadata_modelconfig_refuses_names_the_file(tmp_path):
+    """ModelConfig's own checks (heads not a multiple of KV heads, head_dim 0) named no file
+    (the 2026-12-01 campaign flipped these counts)."""
+    from weights.test_gguf import tiny, write_gguf
+
+    hf, config = tiny(GOLDENS / "llama_tiny")
+    config = dict(config, num_attention_heads=5, num_key_value_heads=2)
+    path = tmp_path / "bad_heads.gguf"
+    write_gguf(path, "llama", hf, config, permute=False)
+    with pytest.raises(ValueError, match=r"bad_heads.gguf: invalid model metadata"):
+        load_gguf(path)
