@@ -175,8 +175,8 @@ def test_jit_policy_equals_numpy_simulation(seed, idx, merge):
             # The next step attends the cache + its own token: at most the budget in force
             # (reached once enough tokens were seen); the newest `ring` are always kept.
             assert len(got[t][h]) + 1 <= attended[t]
-            if t + 1 >= attended[t]:
-                assert len(got[t][h]) + 1 == attended[t]
+            if t + 1 >= attended[t] and not isinstance(policy, ConfKVPolicy):
+                assert len(got[t][h]) + 1 == attended[t]  # fixed budgets fill up exactly
             assert set(range(max(0, t - policy.ring + 1), t + 1)) <= got[t][h]
 
 

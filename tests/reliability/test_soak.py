@@ -102,6 +102,8 @@ def test_soak_20k_steps_stays_bounded_finite_and_flat(tiny_llama, case):
     assert _soak._cache_size() == 1, "the loop recompiled"
     tok_bytes = 2 * config.head_dim * 4
     bound = config.num_layers * config.num_kv_heads * BUDGET * tok_bytes
-    assert bound - 8 * config.num_layers * config.num_kv_heads * tok_bytes < peak_bytes <= bound
+    assert peak_bytes <= bound
+    if case == "qevict":  # its budget is bytes: the routed tiers fill to within a window of it
+        assert peak_bytes > bound - 8 * config.num_layers * config.num_kv_heads * tok_bytes
     # Host memory flat: the last call adds nothing worth a leak (first call = compile).
     assert rss[-1] - rss[1] < 16, rss
