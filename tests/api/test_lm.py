@@ -114,13 +114,15 @@ def test_confkv_l_takes_the_models_layer_count(tiny_lm):
     spec = kvjax.generate.cache_spec_for(
         tiny_lm.config, make_policy("confkv-l", 16, **kw), batch=1, max_len=8, dtype=np.float32
     )
-    assert spec.capacities == (24, 8)  # 16 · (1 ± 0.5): a pyramid, not a flat 16
+    # Layer budgets 16 · (1 ± 0.5) = 24 and 8 tokens attended, one of them the current token:
+    # 23 and 7 cached slots — a pyramid, not a flat 16.
+    assert spec.capacities == (23, 7)
     pinned = ConfKVPolicy(budget=16, pyramid=0.5, num_layers=2, **kw)
     assert tiny_lm.generate("abcdefgh", policy=pinned, max_new_tokens=3).tokens == res.tokens
 
 
 def test_policy_built_for_another_model_is_refused_everywhere(tiny_lm):
-    wrong = ConfKVPolicy(budget=16, pyramid=0.5, num_layers=30, protected=2, fp_window=3)
+    wrong = ConfKVPolicy(budget=24, pyramid=0.5, num_layers=30, protected=2, fp_window=3)
     c, p = tiny_lm.config, tiny_lm.params
     gen = kvjax.GenerateConfig(max_new_tokens=2)
     calls = [
