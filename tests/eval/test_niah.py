@@ -164,9 +164,10 @@ def test_grid_and_json_structure(aware):
     for c in aware.cells:
         assert c.prompt_tokens <= c.length - 6  # prompt + answer fit in the context length
         assert 1 <= len(c.answer_tokens) <= 6
-        # full keeps every written token: the prompt and each answer token but a final stop.
+        # full keeps every written token: the prompt and each answer token but a final stop;
+        # live bytes count what the last step attends, those plus its current token.
         written = c.prompt_tokens + len(c.answer_tokens) - (c.answer_tokens[-1] == EOS)
-        assert c.live_kv_bytes == written * 2 * 2 * 16 * 2 * 4  # L·Hkv·D·(K,V)·float32
+        assert c.live_kv_bytes == (written + 1) * 2 * 2 * 16 * 2 * 4  # L·Hkv·D·(K,V)·float32
 
 
 def test_full_cache_protocols_agree(aware, agnostic):
