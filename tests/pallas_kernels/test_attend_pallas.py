@@ -111,7 +111,7 @@ def test_decode_through_pallas_equals_xla(tiny_llama, case):
 def test_generate_with_pallas_equals_xla(tiny_llama):
     config, params = tiny_llama
     prompts = [[5, 9, 33, 2, 7, 1, 8], [4, 4, 90]]
-    policy = build("confkv-int8", 10)
+    policy = build("confkv-int8", 12)
     out = {
         impl: generate(
             config,
