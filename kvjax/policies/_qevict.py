@@ -123,12 +123,14 @@ class QEvictPolicy(Policy):
 
     def capacity(self, max_len: int) -> int:
         """Full-precision slots per KV head: sinks, the ring (band + one window) and the routed
-        full-precision windows, ⌊(budget − sinks − ring) / ω⌋ of them (the byte budget and a
-        window's bytes both scale with 2·D·itemsize, so the count depends on neither). The
+        full-precision windows, ⌊(budget − 1 − sinks − ring) / ω⌋ of them (budget − 1 are cached:
+        the current token is attended on top; the byte budget and a window's bytes both scale
+        with 2·D·itemsize, so the count depends on neither). The
         low-bit tier's pages are extra (`cache_spec`); max_len does not matter (bounded)."""
         del max_len
         ring = self.local_band + self.window
-        return self.sinks + ring + (self.budget - self.sinks - ring) // self.window * self.window
+        room = cached_tokens(self.budget) - self.sinks - ring
+        return self.sinks + ring + room // self.window * self.window
 
     def cache_spec(self, *, batch, num_layers, num_kv_heads, head_dim, max_len, dtype):
         del max_len

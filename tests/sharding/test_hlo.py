@@ -48,7 +48,7 @@ def _step_hlo(policy, m, rules=TENSOR_PARALLEL, batch=8):
 
 @pytest.mark.parametrize("case", ["confkv-int8", "qevict"])
 def test_tensor_parallel_step_moves_no_cache_data(policy8, case):
-    text, big = _step_hlo(policy8(case, 64), mesh("2x4"))
+    text, big = _step_hlo(policy8(case, 65), mesh("2x4"))
     assert big
     assert large_collectives(text, big) == []
     assert hlo_copies(text, big) == []
@@ -60,14 +60,14 @@ def test_context_parallel_positional_step_communicates_no_cache_data(policy8, ca
     """Positional policies write each token into the shard that owns its slot: nothing of the
     cache crosses devices. (Ranked policies do move slot shards, and XLA CPU still copies the
     written K/V shard locally on each device: docs/sharding.md, "Next".)"""
-    text, big = _step_hlo(policy8(case, 64), make_mesh(model=2, seq=4), CONTEXT_PARALLEL, 1)
+    text, big = _step_hlo(policy8(case, 65), make_mesh(model=2, seq=4), CONTEXT_PARALLEL, 1)
     assert big
     assert large_collectives(text, big) == []
 
 
 def test_the_check_sees_a_gathered_cache(policy8):
     """The same check on a step that replicates the cache's keys finds the all-gather."""
-    cache = new_cache(CONFIG8, policy8("window", 64), batch=8, max_len=256, dtype=jnp.float32)
+    cache = new_cache(CONFIG8, policy8("window", 65), batch=8, max_len=256, dtype=jnp.float32)
     layout = decode_layout(CONFIG8, cache, mesh("2x4"), TENSOR_PARALLEL)
     cache = jax.device_put(cache, cache_shardings(cache, layout))
     everywhere = NamedSharding(layout.mesh, PartitionSpec())

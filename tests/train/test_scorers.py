@@ -147,7 +147,8 @@ def test_shipped_scorers_fit_the_default_model_and_beat_the_baselines(name):
     assert SHIPPED[name].stat().st_size < 4 * 2**20
     root = SHIPPED[name].parents[3]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "data/*.msgpack" in data["package-data"]["kvjax.scorers"]
+    assert "kvjax.scorers.data" in data["packages"]
+    assert "*.msgpack" in data["package-data"]["kvjax.scorers.data"]
     acc = meta["accuracy"]
     assert acc["decisions"] > 100_000
     assert acc["scorer"] > acc["h2o"] + 0.1 and acc["scorer"] > acc["recency"] + 0.1
