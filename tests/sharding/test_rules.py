@@ -184,9 +184,12 @@ def test_without_a_layout_the_step_traces_as_before(model8, policy8):
     policy = policy8("window", 21)
     cache = new_cache(config, policy, batch=8, max_len=40, dtype=jnp.float32)
     tok, valid = jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1), bool)
+
     # A fresh function per trace: JAX keys its trace cache on the function, not on the layout
     # context (which is why `generate` passes the layout as a static argument).
-    step = lambda: lambda p, c: model_step(config, policy, p, c, tok, valid, implementation="pallas")
+    def step():
+        return lambda p, c: model_step(config, policy, p, c, tok, valid, implementation="pallas")
+
     plain = str(jax.make_jaxpr(step())(params, cache))
     assert "sharding_constraint" not in plain and "shard_map" not in plain
     with use_layout(_layout(config, mesh("2x4"))):
