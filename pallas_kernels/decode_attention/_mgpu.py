@@ -58,7 +58,7 @@ def mgpu_applies(tier, q: Array, block_k: int) -> str | None:
         return f"head dim {d} (needs a multiple of 64)"
     if q.shape[2] > ROWS:
         return f"{q.shape[2]} query heads per KV head (at most {ROWS})"
-    if block_k % 64 or cap % block_k:
+    if block_k < 64 or block_k % 64 or cap % block_k:
         return f"capacity {cap} is no multiple of block_k {block_k} (a multiple of 64)"
     return None
 
