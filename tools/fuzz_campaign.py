@@ -2,16 +2,18 @@
 each, printing progress and a summary line per reader (counts of loaded files and clear errors).
 
     .venv/bin/python tools/fuzz_campaign.py 1000 gguf gguf_tokenizer safetensors config \
-        tokenizer_json scorer
+        tokenizer_json scorer checkpoint
 """
 
 import collections
 import pathlib
+import shutil
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
 import conftest  # noqa: E402,F401  (the test suite's JAX settings)
+import reliability.test_fuzz_checkpoints as fc  # noqa: E402
 import reliability.test_fuzz_readers as fz  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -24,6 +26,14 @@ def main(n: int, names: list[str]) -> None:
     vocab = fz.vocab_gguf_bytes(tmp)
     tokjson = fz.tokenizer_json_bytes(tmp, vocab)
     inner = lambda t: t.hypothesis.inner_test  # noqa: E731
+    pristine = []
+
+    def saved():  # one pristine checkpoint, written on first use
+        if not pristine:
+            shutil.rmtree(tmp / "ckpt", ignore_errors=True)
+            pristine.append(fc.save_pristine(tmp / "ckpt"))
+        return pristine[0]
+
     targets = {
         "gguf": lambda data: inner(fz.test_gguf_reader_on_hostile_files)(gguf, tmp, data),
         "gguf_tokenizer": lambda data: inner(fz.test_gguf_tokenizer_reader_on_hostile_files)(
@@ -35,6 +45,9 @@ def main(n: int, names: list[str]) -> None:
             tokjson, tmp, data
         ),
         "scorer": lambda data: inner(fz.test_scorer_reader_on_hostile_files)(tmp, data),
+        "checkpoint": lambda data: inner(fc.test_checkpoint_reader_on_hostile_files)(
+            saved(), tmp, data
+        ),
     }
     for name in names:
         count = collections.Counter()
