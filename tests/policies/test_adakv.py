@@ -103,6 +103,48 @@ def test_allocation_equals_bruteforce_and_bytes_equal_budget(alpha):
     assert write._cache_size() == 2  # one compile for the chunk, one for every decode step
 
 
+def _masses(layer, mass, pos, pooled):
+    """AttnStats of a stream step: each cached slot's and new token's mass from `mass`."""
+    lpos = np.asarray(layer.pos[0])  # [H or 1, C]
+    lhead = np.asarray(layer.head[0]) if pooled else np.arange(H)[:, None] + 0 * lpos
+    slot = np.vectorize(lambda h, p: mass[(int(h), int(p))] if p >= 0 else 0.0)(lhead, lpos)
+    new = np.array([[mass[(h, int(p))] for p in pos] for h in range(H)])
+    f32 = lambda x: jnp.asarray(x[None], jnp.float32)
+    return AttnStats(slot_mass=f32(slot), new_mass=f32(new), lse=jnp.zeros((1, len(pos), H)))
+
+
+def test_full_safeguard_keeps_what_the_per_head_engine_keeps():
+    """alpha_safeguard = 1 gives every head its own N - 1: the kept (head, position) sets equal
+    the ranked engine's (H2O on per-head slots) at every step of a random stream."""
+    base = H2OPolicy(budget=9)
+    ada = AdaKVPolicy(press=base, alpha_safeguard=1.0)
+    kw = dict(batch=1, num_layers=1, num_kv_heads=H, head_dim=D, max_len=64, dtype=jnp.float32)
+    pool = ada.empty_cache(ada.cache_spec(**kw)).layers[0]
+    per_head = base.empty_cache(base.cache_spec(**kw)).layers[0]
+    writer = lambda pol: jax.jit(
+        lambda ly, k, v, pos, st: pol.write(
+            ly, k, v, pos, jnp.ones(pos.shape, bool), st, None, layer_index=0
+        )
+    )
+    w_pool, w_head = writer(ada), writer(base)
+    rng = np.random.default_rng(1)
+    start, seen = 0, set()
+    for t in [7] + [1] * 30:
+        pos = np.arange(start, start + t)
+        seen |= {(h, int(p)) for h in range(H) for p in pos}
+        mass = {key: float(rng.exponential() ** 2) for key in seen}
+        k, v = (jnp.asarray(rng.standard_normal((1, t, H, D)), jnp.float32) for _ in range(2))
+        p = jnp.asarray(pos[None], jnp.int32)
+        pool = w_pool(pool, k, v, p, _masses(pool, mass, pos, True))
+        per_head = w_head(per_head, k, v, p, _masses(per_head, mass, pos, False))
+        start += t
+        lp, lh = np.asarray(pool.pos[0, 0]), np.asarray(pool.head[0, 0])
+        got = {(int(h), int(q)) for h, q in zip(lh, lp, strict=True) if q >= 0}
+        hp = np.asarray(per_head.pos[0])
+        want = {(h, int(q)) for h in range(H) for q in hp[h] if q >= 0}
+        assert got == want, f"step ending at {start - 1}"
+
+
 def test_pool_attention_equals_per_head_attention():
     """XLA attention over a pool equals attention over the same tokens in per-head slots."""
     rng = np.random.default_rng(3)
