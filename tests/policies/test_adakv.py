@@ -13,7 +13,7 @@ import pytest
 from kvjax.attention import AttnStats, attend
 from kvjax.cache import LayerCache
 from kvjax.models import TINY_LLAMA
-from kvjax.policies import AdaKVPolicy, H2OPolicy, make_policy
+from kvjax.policies import AdaKVPolicy, H2OPolicy, KeyDiffPolicy, make_policy
 from kvjax.testing import CHECKS, check_policy
 
 H, D = 3, 4
@@ -113,10 +113,10 @@ def _masses(layer, mass, pos, pooled):
     return AttnStats(slot_mass=f32(slot), new_mass=f32(new), lse=jnp.zeros((1, len(pos), H)))
 
 
-def test_full_safeguard_keeps_what_the_per_head_engine_keeps():
+@pytest.mark.parametrize("base", [H2OPolicy(budget=9), KeyDiffPolicy(budget=9, window=2)])
+def test_full_safeguard_keeps_what_the_per_head_engine_keeps(base):
     """alpha_safeguard = 1 gives every head its own N - 1: the kept (head, position) sets equal
-    the ranked engine's (H2O on per-head slots) at every step of a random stream."""
-    base = H2OPolicy(budget=9)
+    the ranked engine's (on per-head slots) at every step of a random stream."""
     ada = AdaKVPolicy(press=base, alpha_safeguard=1.0)
     kw = dict(batch=1, num_layers=1, num_kv_heads=H, head_dim=D, max_len=64, dtype=jnp.float32)
     pool = ada.empty_cache(ada.cache_spec(**kw)).layers[0]
