@@ -102,6 +102,13 @@ ROWS: dict[str, tuple[str, dict]] = {
     "qevict-int4": ("qevict", {"bits": 4}),
     "kvpop": ("kvpop", {}),
     "kvpop-mlp": ("kvpop-mlp", {}),
+    # kvpress's presses that score inside the loop (kvzip/expected need `press_context`)
+    "knorm": ("knorm", {}),
+    "keydiff": ("keydiff", {}),
+    "chunkkv": ("chunkkv", {}),
+    "pyramidkv": ("pyramidkv", {}),
+    "adakv-keydiff": ("adakv", {"press": "keydiff"}),
+    "adakv-h2o": ("adakv", {"press": "h2o"}),
 }
 
 
@@ -189,7 +196,7 @@ def plot_pareto(rows: Sequence[CompareRow], path: str, *, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     labels = sorted({r.label for r in rows}, key=list(ROWS).index)
-    markers = dict(zip(labels, "o^svDP*Xhp<>", strict=False))
+    markers = {label: "o^svDP*Xhp<>"[i % 12] for i, label in enumerate(labels)}
     for label in labels:
         pts = [r for r in rows if r.label == label]
         ax.plot(

@@ -27,11 +27,13 @@ from kvjax.cache import Cache, CacheSpec, init_cache
 from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import (
+    AdaKVPolicy,
     AppendPolicy,
     ExpectedAttentionPolicy,
     FullPolicy,
     KVzipPolicy,
     Policy,
+    cached_tokens,
     kvzip_scores,
     unrotate,
 )
@@ -69,7 +71,9 @@ def press_context(
     suffix: Sequence[int] = (),
     dtype=jnp.float32,
 ) -> Pressed:
-    """Prefill `context` and compress it once with `policy` (its budget = tokens kept).
+    """Prefill `context` and compress it once with `policy`: it keeps `cached_tokens(budget)`
+    = budget - 1 tokens per KV head, as in the generate loop (a budget counts the attended
+    current token).
 
     Args:
         config, params: the model.
@@ -81,12 +85,14 @@ def press_context(
         suffix: ids between that prompt and the repeated text (the chat's assistant head).
 
     Raises:
-        ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
-            its reconstruction prompt.
+        ValueError: empty context, room < 1, a tiered (INT8/low-bit) or pooled (adakv) policy,
+            or KVzip without its reconstruction prompt.
     """
     s = len(context)
     if s < 1 or room < 1:
         raise ValueError(f"press_context needs a context (got {s} tokens) and room >= 1")
+    if isinstance(policy, AdaKVPolicy):
+        raise ValueError("press mode keeps per-head slots; adakv's pooled cache is not supported")
     t0 = time.perf_counter()
     ids = jnp.asarray([list(context)], jnp.int32)
     if isinstance(policy, PRESS_SCORED):
@@ -116,7 +122,7 @@ def press_context(
                 for qi, ly in zip(q, full.layers, strict=True)
             ]
         del k_ctx
-        n = min(policy.budget, s)
+        n = min(cached_tokens(policy.budget), s)
         keep = [top_slots(sc, n) for sc in scores]
         layers = full.layers
     else:

@@ -79,7 +79,9 @@ def answer(
         policy = make_policy("full")
     else:
         kw = {"num_layers": cfg.num_layers} if policy_name in NEEDS_LAYERS else {}
-        policy = make_policy(policy_name, max(2, int(s * (1 - ratio))), **kw)
+        # A budget N caches N - 1 tokens (it counts the attended current token): N - 1 =
+        # int((1 - ratio) * s), the tokens kvpress keeps.
+        policy = make_policy(policy_name, max(2, int(s * (1 - ratio)) + 1), **kw)
     pressed = press_context(
         cfg,
         model.params,

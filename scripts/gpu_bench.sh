@@ -162,6 +162,10 @@ case "${1:-foundation}" in
             --rows full h2o confkv+int8 kivi qevict --out-dir "$OUT/compare_qevict" --json > /dev/null
           run compare --model $M --windows 205 --tokens 2048 --rows qevict-int4 \
             --out-dir "$OUT/compare_qevict_int4" --json > /dev/null ;;
+        presses-compare)  # CONF-KV, QEvict, KVpop vs the in-loop presses at a 256-window's bytes
+          run compare --model $M --windows 256 --tokens 2048 --rows full confkv+int8 qevict \
+            kvpop keydiff knorm adakv-keydiff adakv-h2o h2o --out-dir "$OUT/compare_presses" \
+            --json > /dev/null ;;
         stream)  # perplexity per 4K chunk over TOKENS of the essays (looped), one token per step,
           # one process and JSON per policy (POLICIES; full stops at the model's 8K context)
           for pol in ${POLICIES:-window streaming h2o confkv qevict kvpop kivi full}; do

@@ -60,7 +60,7 @@ def attend(
         (out [B, T, Hq, D], AttnStats).
     """
     b, t, hq, d = q.shape
-    hkv = layer.k.shape[1]
+    hkv = layer.num_kv_heads
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of cache KV heads ({hkv})")
     if k_new.shape != (b, t, hkv, d) or v_new.shape != (b, t, hkv, d):
@@ -73,7 +73,8 @@ def attend(
         scale = d**-0.5
     implementation = resolve_implementation(implementation)
     args = (q, layer, k_new, v_new, q_pos, new_valid, query_weight)
-    if implementation == "pallas" and t == 1:
+    # The Pallas decode kernels read per-head slots; a pooled layer (adakv) takes the XLA path.
+    if implementation == "pallas" and t == 1 and layer.head is None:
         from kvjax.attention._pallas import attend_pallas, attend_pallas_sharded
 
         layout = active_layout()  # a mesh: the kernels run per device under shard_map

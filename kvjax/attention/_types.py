@@ -14,7 +14,8 @@ class AttnStats:
     (weighted) queries of the call.
 
     Attributes:
-        slot_mass: [B, Hkv, C] float32 mass on each full-precision cache slot.
+        slot_mass: [B, Hkv, C] float32 mass on each full-precision cache slot ([B, 1, P] on a
+            pooled layer: each pool slot gets the mass of its own KV head).
         new_mass: [B, Hkv, T] float32 mass on each of the T tokens of this call.
         lse: [B, T, Hq] float32 log-sum-exp of each query's scaled logits.
         int8_mass: [B, Hkv, Cq] float32 mass on each INT8 slot (None without an INT8 tier).

@@ -1,7 +1,9 @@
 """Plain-jnp attention over the slot cache plus this call's new tokens (the reference path).
 
 Quantized tiers are dequantized in XLA and attended together with the full-precision slots in one
-softmax; the Pallas kernels fuse that dequantization into their loads instead.
+softmax; the Pallas kernels fuse that dequantization into their loads instead. A pooled layer
+(`CacheSpec.pooled`: one pool of slots shared by the KV heads, each slot carrying its head) is
+read once for all heads, each head's queries masked to the slots it owns.
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def attend_xla(
         out [B, T, Hq, D] in q's dtype, and AttnStats.
     """
     b, t, hq, d = q.shape
-    hkv = layer.k.shape[1]
+    hkv = layer.num_kv_heads
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     qpos = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    # Segments of keys: (keys [B, Hkv, S, D] or new-token keys, values, visibility mask).
+    # Segments of keys: (keys [B, Hkv, S, D], values, positions [B, Hkv, S]); a pooled layer's
+    # keys/values are [B, 1, P, D], shared by every head (its `owner` mask picks each head's).
     cache_segs = [(layer.k, layer.v, layer.pos)]
+    owner = None
+    if layer.head is not None:  # [B, Hkv, 1, 1, P]: the slot belongs to this KV head
+        heads = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
+        owner = layer.head[:, :, None, None, :] == heads
     if layer.int8 is not None:
         t8 = layer.int8
         cache_segs.append(
@@ -69,9 +76,14 @@ def attend_xla(
         cache_segs.append((flat(k8), flat(v8), lb.pos.reshape(b_, h_, p_ * g_)))
     scores, masks = [], []
     for k, _, pos in cache_segs:
-        scores.append(einsum_f32("bthgd,bhcd->bhgtc", qg, k) * scale)
+        if k.shape[1] == hkv:
+            scores.append(einsum_f32("bthgd,bhcd->bhgtc", qg, k) * scale)
+        else:  # the pool: its keys read once, scored against every head's queries
+            scores.append(einsum_f32("bthgd,bcd->bhgtc", qg, k[:, 0]) * scale)
         p = pos[:, :, None, None, :]
         masks.append((p >= 0) & (p <= qpos))  # occupied and not after the query
+    if owner is not None:
+        masks[0] = masks[0] & owner
     scores.append(einsum_f32("bthgd,bshd->bhgts", qg, k_new) * scale)
     masks.append(
         new_valid[:, None, None, None, :] & (q_pos[:, None, None, None, :] <= qpos)
@@ -85,11 +97,15 @@ def attend_xla(
     probs = [p / denom[..., None] for p in probs]
     out = sum(
         einsum_f32("bhgtc,bhcd->bthgd", p.astype(v.dtype), v)
+        if v.shape[1] == hkv
+        else einsum_f32("bhgtc,bcd->bthgd", p.astype(v.dtype), v[:, 0])
         for p, (_, v, _) in zip(probs[:-1], cache_segs, strict=True)
     )
     out = out + einsum_f32("bhgts,bshd->bthgd", probs[-1].astype(v_new.dtype), v_new)
     w = query_weight.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     mass = [jnp.sum(p * w, axis=(2, 3)) for p in probs]
+    if owner is not None:  # a pool slot's mass comes from its own head only (others are 0)
+        mass[0] = jnp.sum(mass[0], axis=1, keepdims=True)  # [B, 1, P]
     tiers = iter(mass[1:-1])
     int8_mass = next(tiers) if layer.int8 is not None else None
     lowbit_mass = next(tiers).reshape(layer.lowbit.pos.shape) if layer.lowbit is not None else None

@@ -69,7 +69,7 @@ def attended_slots_per_layer(cache: Cache) -> Array:
     that have consumed a token. Measured after a step's write, it is what the step attended
     (a budget of N: at most N tokens)."""
     live = live_slots_per_layer(cache)
-    hkv = cache.layers[0].pos.shape[1]
+    hkv = cache.layers[0].num_kv_heads
     cur = jnp.where(cache.length > 0, hkv, 0).astype(jnp.int32)  # [B]
     return live.at[:, :, 0].add(cur[:, None])
 

@@ -35,6 +35,9 @@ class CacheSpec:
         lowbit_page_size: G, tokens per low-bit page (keys share per-channel statistics).
         lowbit_bits: code width of the low-bit tier.
         lowbit_value_group: channels per value scale/zero group.
+        pooled: each layer's full-precision slots form ONE pool of Hkv·C slots shared by its
+            KV heads, each slot carrying its head (head-adaptive budgets, `adakv`); C is then
+            the mean slots per KV head.
     """
 
     batch: int
@@ -47,6 +50,7 @@ class CacheSpec:
     lowbit_page_size: int = 32
     lowbit_bits: int = 2
     lowbit_value_group: int = 32
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -65,6 +69,8 @@ class CacheSpec:
                 f"CacheSpec.int8_capacities must give one capacity > 0 per layer, "
                 f"got {self.int8_capacities}"
             )
+        if self.pooled and (self.int8_capacities is not None or self.lowbit_pages is not None):
+            raise ValueError("CacheSpec.pooled holds full-precision slots only (no INT8/low-bit)")
 
     @property
     def num_layers(self) -> int:
@@ -171,6 +177,10 @@ class LayerCache:
         int8: the INT8 tier, or None.
         lowbit: the paged low-bit tier, or None.
         aux: per-layer state owned by the policy (a pytree, e.g. QEvict's ledger links), or None.
+        head: None for per-head slots; for a pooled layer (`CacheSpec.pooled`) [B, 1, P] int32,
+            the KV head owning each slot of the pool: k, v are then [B, 1, P, D] and pos, score
+            [B, 1, P], one pool of P slots shared by the layer's `pool_heads` KV heads.
+        pool_heads: Hkv of a pooled layer (static; 0 for per-head slots).
     """
 
     k: Array
@@ -180,17 +190,24 @@ class LayerCache:
     int8: Int8Tier | None = None
     lowbit: LowBitTier | None = None
     aux: Any = None
+    head: Array | None = None
+    pool_heads: int = struct.field(pytree_node=False, default=0)
 
     @property
     def capacity(self) -> int:
         return self.pos.shape[-1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Hkv, also for a pooled layer (whose slot arrays have a head axis of 1)."""
+        return self.pool_heads if self.head is not None else self.k.shape[1]
 
     def occupied(self) -> Array:
         """[B, Hkv, C] bool: slot holds a token."""
         return self.pos >= 0
 
     def live_slots(self) -> Array:
-        """[B, Hkv] int32: number of occupied slots."""
+        """[B, Hkv] int32: number of occupied slots ([B, 1], all heads, for a pooled layer)."""
         return jnp.sum(self.occupied(), axis=-1, dtype=jnp.int32)
 
     def live_extent(self) -> Array:
@@ -233,6 +250,12 @@ def init_cache(
         raise ValueError(
             f"layer_aux needs one entry per layer ({spec.num_layers}), got {len(layer_aux)}"
         )
+    if spec.pooled:
+        layers = tuple(
+            _pool_layer(b, h, h * c, d, spec.dtype, aux)
+            for c, aux in zip(spec.capacities, layer_aux, strict=True)
+        )
+        return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
     layers = tuple(
         LayerCache(
             k=jnp.zeros((b, h, c, d), spec.dtype),
@@ -246,6 +269,19 @@ def init_cache(
         for c, cq, p, aux in zip(spec.capacities, q_caps, pages, layer_aux, strict=True)
     )
     return Cache(layers=layers, length=jnp.zeros((b,), jnp.int32), policy_state=policy_state)
+
+
+def _pool_layer(b: int, heads: int, slots: int, d: int, dtype: Any, aux: Any) -> LayerCache:
+    """An empty pooled layer: `slots` slots shared by `heads` KV heads."""
+    return LayerCache(
+        k=jnp.zeros((b, 1, slots, d), dtype),
+        v=jnp.zeros((b, 1, slots, d), dtype),
+        pos=jnp.full((b, 1, slots), EMPTY, jnp.int32),
+        score=jnp.zeros((b, 1, slots), jnp.float32),
+        aux=aux,
+        head=jnp.zeros((b, 1, slots), jnp.int32),
+        pool_heads=heads,
+    )
 
 
 def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:

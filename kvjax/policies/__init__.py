@@ -1,7 +1,8 @@
 """Cache policies: which tokens stay, where, and at what precision."""
 
+from kvjax.policies._adakv import AdaKVPolicy, adakv_keep
 from kvjax.policies._append import AppendPolicy
-from kvjax.policies._base import Policy, PositionalPolicy
+from kvjax.policies._base import Policy, PositionalPolicy, cached_tokens
 from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confidence import Confidence, confidence
 from kvjax.policies._confkv import ConfKVPolicy
@@ -18,6 +19,7 @@ from kvjax.policies._kvzip import (
     KVzipPolicy,
     kvzip_scores,
 )
+from kvjax.policies._pressscored import PressScoredPolicy
 from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
@@ -29,6 +31,7 @@ from kvjax.policies._tova import TOVAPolicy
 from kvjax.policies._window import WindowPolicy
 
 # Short names, as in `lm.chat(..., policy=kvjax.policies.QEvict(budget=512))`: the same classes.
+AdaKV = AdaKVPolicy
 ChunkKV = ChunkKVPolicy
 ConfKV = ConfKVPolicy
 ExpectedAttention = ExpectedAttentionPolicy
@@ -48,6 +51,7 @@ TOVA = TOVAPolicy
 Window = WindowPolicy
 
 __all__ = [
+    "AdaKV",
     "ChunkKV",
     "ConfKV",
     "ExpectedAttention",
@@ -65,6 +69,7 @@ __all__ = [
     "Streaming",
     "TOVA",
     "Window",
+    "AdaKVPolicy",
     "AppendPolicy",
     "BUDGETLESS",
     "ChunkKVPolicy",
@@ -84,6 +89,7 @@ __all__ = [
     "KVzipPolicy",
     "Policy",
     "PositionalPolicy",
+    "PressScoredPolicy",
     "PyramidKVPolicy",
     "QEvictPolicy",
     "RandomPolicy",
@@ -92,6 +98,8 @@ __all__ = [
     "StreamingPolicy",
     "TOVAPolicy",
     "WindowPolicy",
+    "adakv_keep",
+    "cached_tokens",
     "confidence",
     "expected_attention_scores",
     "kvzip_scores",

@@ -15,22 +15,21 @@ generate loop on its own the policy keeps what the press left (SnapKV-like froze
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies._ranked import RankedPolicy
+from kvjax.policies._pressscored import PressScoredPolicy
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExpectedAttentionPolicy(RankedPolicy):
+class ExpectedAttentionPolicy(PressScoredPolicy):
     """Keep the keys future queries are expected to attend to (scores from the press).
 
     Attributes:
-        budget: tokens kept per KV head per layer (sinks and window included).
+        budget: tokens attended per step per KV head per layer (sinks and window included).
         n_future_positions: positions the RoPE rotation is averaged over (kvpress: 512).
         n_sink: first tokens never evicted and left out of the statistics (kvpress: 4).
         use_covariance: add the covariance term (kvpress: True).
@@ -40,39 +39,18 @@ class ExpectedAttentionPolicy(RankedPolicy):
     """
 
     name = "expected"
-    budget: int
     n_future_positions: int = 512
-    n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    window: int = 1
-    frozen_in_decode = True
-    uses_attention_mass: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.n_future_positions < 1 or self.n_sink < 0:
+        if self.n_future_positions < 1:
             raise ValueError(
-                "ExpectedAttentionPolicy: n_future_positions must be >= 1 and n_sink >= 0, got "
-                f"{self.n_future_positions}, {self.n_sink}"
+                "ExpectedAttentionPolicy: n_future_positions must be >= 1, got "
+                f"{self.n_future_positions}"
             )
-        self._check()
-
-    @property
-    def ring(self) -> int:
-        return self.window
-
-    @property
-    def sinks(self) -> int:
-        return self.n_sink
-
-    def update_score(self, score, mass, pos, cur, state, layer_index):
-        del mass, pos, cur, state, layer_index
-        return score
-
-    def init_score(self, mass, pos, state, layer_index):
-        del pos, state, layer_index
-        return jnp.zeros_like(mass)
+        super().__post_init__()
 
     def scores(self, q: Array, k: Array, v: Array, length: int, rope_theta: float) -> Array:
         """`expected_attention_scores` with this policy's settings."""

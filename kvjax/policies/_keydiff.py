@@ -22,21 +22,10 @@ class KeyDiffPolicy(KeyScoredPolicy):
     Every call rescores every held token against the new anchor (O(C·D) per layer and step:
     the anchor moves with each token, as the method demands).
 
-    Attributes:
-        budget: tokens kept per KV head per layer.
-        window: newest tokens never evicted (kvpress has none; the engine needs >= 1).
+    Attributes: `budget` and `window` (KeyScoredPolicy's; kvpress has no window).
     """
 
     name = "keydiff"
-    budget: int
-    window: int = 1
-
-    def __post_init__(self) -> None:
-        self._check()
-
-    @property
-    def ring(self) -> int:
-        return self.window
 
     def key_scores(self, layer, k_new, pos_new, valid):
         del pos_new

@@ -18,9 +18,24 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KeyScoredPolicy(RankedPolicy):
-    """Base of key-scored policies: subclasses implement `key_scores`."""
+    """Base of key-scored policies: subclasses implement `key_scores`.
 
+    Attributes:
+        budget: tokens attended per step per KV head per layer (the current one included).
+        window: newest tokens never evicted (kvpress's key scores have none; the engine needs
+            >= 1: the token just written).
+    """
+
+    budget: int
+    window: int = 1
     uses_attention_mass: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @property
+    def ring(self) -> int:
+        return self.window
 
     @abc.abstractmethod
     def key_scores(self, layer, k_new: Array, pos_new: Array, valid: Array):

@@ -13,22 +13,10 @@ from kvjax.policies._keyscored import KeyScoredPolicy, key_norm
 class KnormPolicy(KeyScoredPolicy):
     """Keep the lowest key norms (per KV head; a token's score is fixed when it is written).
 
-    Attributes:
-        budget: tokens kept per KV head per layer.
-        window: newest tokens never evicted (kvpress has none; the engine needs >= 1: the
-            token just written).
+    Attributes: `budget` and `window` (KeyScoredPolicy's; kvpress has no window).
     """
 
     name = "knorm"
-    budget: int
-    window: int = 1
-
-    def __post_init__(self) -> None:
-        self._check()
-
-    @property
-    def ring(self) -> int:
-        return self.window
 
     def key_scores(self, layer, k_new, pos_new, valid):
         del layer, pos_new, valid

@@ -17,12 +17,11 @@ it then never evicts a kept token and a token leaving the window enters only a f
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies._ranked import RankedPolicy
+from kvjax.policies._pressscored import PressScoredPolicy
 
 Array = jax.Array
 RECONSTRUCT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -30,46 +29,23 @@ RECONSTRUCT_CONTINUE = "\n\nRepeat the part of the previous context exactly, sta
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVzipPolicy(RankedPolicy):
+class KVzipPolicy(PressScoredPolicy):
     """Keep the KV pairs that context reconstruction attends to most (scores from the press).
 
     Attributes:
-        budget: tokens kept per KV head per layer (sinks and window included).
+        budget: tokens attended per step per KV head per layer (sinks and window included).
         n_sink: first tokens never evicted (kvpress: 4, scored 1.0, the largest).
         window: newest tokens never evicted (the engine needs >= 1).
         chunk: context tokens reconstructed per pass (kvpress: 2048).
     """
 
     name = "kvzip"
-    budget: int
-    n_sink: int = 4
-    window: int = 1
     chunk: int = 2048
-    frozen_in_decode = True
-    uses_attention_mass: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.n_sink < 0 or self.chunk < 1:
-            raise ValueError(
-                f"KVzipPolicy: n_sink must be >= 0 and chunk >= 1, got {self.n_sink}, {self.chunk}"
-            )
-        self._check()
-
-    @property
-    def ring(self) -> int:
-        return self.window
-
-    @property
-    def sinks(self) -> int:
-        return self.n_sink
-
-    def update_score(self, score, mass, pos, cur, state, layer_index):
-        del mass, pos, cur, state, layer_index
-        return score
-
-    def init_score(self, mass, pos, state, layer_index):
-        del pos, state, layer_index
-        return jnp.zeros_like(mass)
+        if self.chunk < 1:
+            raise ValueError(f"KVzipPolicy: chunk must be >= 1, got {self.chunk}")
+        super().__post_init__()
 
 
 def kvzip_scores(q: Array, k_sink: Array, k_ctx: Array, k_rep: Array) -> Array:

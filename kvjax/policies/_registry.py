@@ -6,6 +6,7 @@ import functools
 import numbers
 from typing import Any
 
+from kvjax.policies._adakv import AdaKVPolicy
 from kvjax.policies._base import Policy
 from kvjax.policies._chunkkv import ChunkKVPolicy
 from kvjax.policies._confkv import ConfKVPolicy
@@ -53,7 +54,27 @@ POLICIES["confkv-l"] = functools.partial(ConfKVPolicy, pyramid=0.5)
 POLICIES["kvpop-mlp"] = functools.partial(KVpopPolicy, scorer="mlp")
 BUDGETLESS = frozenset({"full", "kivi"})
 # Policies whose per-layer budgets need the model's layer count.
-NEEDS_LAYERS = frozenset({"confkv", "confkv-l", "pyramidkv"})
+NEEDS_LAYERS = frozenset({"confkv", "confkv-l", "pyramidkv", "adakv"})
+
+
+def _adakv(
+    *,
+    budget: int,
+    press: str = "snapkv",
+    alpha_safeguard: float = 0.20,
+    num_layers: int | None = None,
+    **press_kwargs: Any,
+) -> AdaKVPolicy:
+    """`adakv` by name: AdaKV over the policy named `press` (its kwargs passed through)."""
+    if press == "adakv" or press not in POLICIES:
+        raise ValueError(f"adakv: unknown press {press!r}; choose one of {sorted(POLICIES)}")
+    if press in NEEDS_LAYERS and num_layers is not None:
+        press_kwargs.setdefault("num_layers", num_layers)
+    inner = make_policy(press, budget, **press_kwargs)
+    return AdaKVPolicy(press=inner, alpha_safeguard=alpha_safeguard)
+
+
+POLICIES["adakv"] = _adakv  # type: ignore[assignment]
 
 
 def make_policy(

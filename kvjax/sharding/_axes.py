@@ -153,6 +153,12 @@ def layer_names(layer: LayerCache) -> LayerCache:
         int8 = Int8Tier(**_fields(layer.int8, _TIER_AXES))
     if layer.lowbit is not None:
         lowbit = LowBitTier(**_fields(layer.lowbit, _LOWBIT_AXES), bits=layer.lowbit.bits)
+    if layer.head is not None:  # a pool shared by the KV heads: its head axis (1) unsplit
+        slot, data = Names((B, None, C)), Names((B, None, C, D))
+        return LayerCache(
+            k=data, v=data, pos=slot, score=slot, head=slot,
+            aux=_policy_owned(layer.aux, b, layer.pool_heads), pool_heads=layer.pool_heads,
+        )  # fmt: skip
     return LayerCache(
         k=Names(_TIER_AXES["k"]),
         v=Names(_TIER_AXES["v"]),

@@ -221,7 +221,7 @@ def _mass_declared(policy, config, budget) -> CheckResult:
     steps = max(80, 4 * budget)
     cache = new_cache(config, policy, batch=2, max_len=steps + 16, dtype=jnp.float32)
     layer0, state = cache.layers[0], cache.policy_state
-    h, d = layer0.k.shape[1], layer0.k.shape[3]
+    h, d = layer0.num_kv_heads, layer0.k.shape[3]
     sizes = [t.pos.size for t in (layer0, layer0.int8, layer0.lowbit) if t is not None]
     n_mass = max([*sizes, 2 * h]) + 1
 

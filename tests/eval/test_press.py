@@ -9,8 +9,13 @@ import pytest
 from kvjax.eval import press_context
 from kvjax.eval._press import top_slots
 from kvjax.generate import GenerateConfig, generate, generate_from_cache
-from kvjax.policies import expected_attention_scores, kvzip_scores, make_policy, unrotate
-from kvjax.policies._base import cached_tokens
+from kvjax.policies import (
+    cached_tokens,
+    expected_attention_scores,
+    kvzip_scores,
+    make_policy,
+    unrotate,
+)
 
 
 def np_softmax(x):
@@ -135,9 +140,9 @@ def test_compressed_once_then_question_and_answer_never_evict_context(tiny_llama
     )
     pressed = press_context(config, params, make_policy(name, 16, **kw), CONTEXT, room=12,
                             **KVZIP_IDS)  # fmt: skip
-    # kvzip/expected keep their whole budget before the question; the engine's policies cache
-    # budget - 1 (a budget counts the attended current token, kvjax.policies._base.cached_tokens).
-    want = 16 if name in ("kvzip", "expected") else cached_tokens(16)
+    # Every policy keeps budget - 1 before the question, as in the generate loop (a budget
+    # counts the attended current token, kvjax.policies.cached_tokens).
+    want = cached_tokens(16)
     assert pressed.kept == (want,) * config.num_layers
     before = [np.asarray(ly.pos[0]) for ly in pressed.cache.layers]
     answer, cache = _answer_after(tiny_llama, pressed, QUESTION, 6)
@@ -158,6 +163,8 @@ def test_press_rejects_bad_input(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="tiered"):
         press_context(config, params, make_policy("confkv", 300), CONTEXT, room=4)
+    with pytest.raises(ValueError, match="adakv's pooled cache"):
+        press_context(config, params, make_policy("adakv", 64), CONTEXT, room=4)
     with pytest.raises(ValueError, match="reconstruction prompt"):
         press_context(config, params, make_policy("kvzip", 16), CONTEXT, room=4)
     with pytest.raises(ValueError, match="room >= 1"):
