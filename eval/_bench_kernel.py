@@ -26,7 +26,7 @@ from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_
 ROWS = (
     "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
     "pallas-bf16", "pallas-bf16+logits", "pallas-int8", "pallas-int4", "pallas-int2",
-    "pallas-int4-bf16stats", "pallas-int2-bf16stats",
+    "pallas-int4-f32stats", "pallas-int2-f32stats",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8",
 )  # fmt: skip
 
@@ -165,10 +165,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         arrays = (pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero, lpos)
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         cases[f"pallas-int{bits}"] = (ours(tier, bits=bits), _nbytes(*arrays))
-        # The same codes with bfloat16 scales/zeros: what that cache layout would read.
-        half = arrays[:2] + tuple(x.astype(jnp.bfloat16) for x in arrays[2:6]) + arrays[6:]
-        tier = da.LowBitTier(*half, jnp.full((b, hkv), pages, jnp.int32))
-        cases[f"pallas-int{bits}-bf16stats"] = (ours(tier, bits=bits), _nbytes(*half))
+        # The same codes and statistics held as float32: the layout before 2026-12-01.
+        wide = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
+        tier = da.LowBitTier(*wide, jnp.full((b, hkv), pages, jnp.int32))
+        cases[f"pallas-int{bits}-f32stats"] = (ours(tier, bits=bits), _nbytes(*wide))
     return cases
 
 

@@ -52,8 +52,8 @@ case "${1:-foundation}" in
     # Ours first: a slow baseline at the end cannot hide our rows. One line per row as it ends.
     # shellcheck disable=SC2086
     run bench kernel --batch ${BATCHES:-8 1} --contexts ${CONTEXTS:-16384 32768 65536} \
-      --rows ${ROWS:-copy pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-int4-bf16stats \
-      pallas-int2-bf16stats pallas-bf16+logits mgpu-bf16 mgpu-int8 mgpu-bf16+logits cudnn-bf16 \
+      --rows ${ROWS:-copy pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-int4-f32stats \
+      pallas-int2-f32stats pallas-bf16+logits mgpu-bf16 mgpu-int8 mgpu-bf16+logits cudnn-bf16 \
       xla-bf16 xla-dequant-int8} \
       ${SWEEP:+--sweep $SWEEP --sweep-rows ${SWEEP_ROWS:-pallas-bf16}} --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"

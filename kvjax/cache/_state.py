@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.quant import STAT_DTYPE
+
 Array = jax.Array
 
 EMPTY = -1  # `pos` of an unoccupied slot
@@ -115,11 +117,19 @@ class Int8Tier:
         return (self.k.shape[-1] + self.v.shape[-1]) * 1 + 2 * self.k_scale.dtype.itemsize
 
 
-def lowbit_page_bytes(head_dim: int, page_size: int, bits: int, value_group: int) -> int:
-    """K/V bytes of one low-bit page of one KV head: packed K and V codes, float32 per-channel
-    key scale/zero (one per page) and float32 per-token value scale/zero per channel group."""
+def lowbit_page_bytes(
+    head_dim: int, page_size: int, bits: int, value_group: int, stat_bytes: int | None = None
+) -> int:
+    """K/V bytes of one low-bit page of one KV head: packed K and V codes, per-channel key
+    scale/zero (one per page) and per-token value scale/zero per channel group, the statistics in
+    `kvjax.quant.STAT_DTYPE` (bfloat16, 2 bytes each; `stat_bytes` overrides).
+
+    E.g. D 128, G 32, 4 bits, value group 32: codes 2·32·64 = 4096, key statistics 2·128·2 = 512,
+    value statistics 2·32·4·2 = 512: 5120 bytes, 160 per token (192 with float32 statistics).
+    """
+    s = np.dtype(STAT_DTYPE).itemsize if stat_bytes is None else stat_bytes
     codes = 2 * page_size * head_dim * bits // 8
-    stats = 2 * head_dim * 4 + 2 * page_size * (head_dim // value_group) * 4
+    stats = 2 * head_dim * s + 2 * page_size * (head_dim // value_group) * s
     return codes + stats
 
 
@@ -131,8 +141,8 @@ class LowBitTier:
     Attributes:
         k: [B, Hkv, P, G, D·bits/8] uint8 packed key codes (see kvjax.quant.pack).
         v: [B, Hkv, P, G, D·bits/8] uint8 packed value codes.
-        k_scale, k_zero: [B, Hkv, P, D] float32 per page and channel.
-        v_scale, v_zero: [B, Hkv, P, G, D / value_group] float32 per token and channel group.
+        k_scale, k_zero: [B, Hkv, P, D] bfloat16 (`STAT_DTYPE`) per page and channel.
+        v_scale, v_zero: [B, Hkv, P, G, D / value_group] bfloat16 per token and channel group.
         pos: [B, Hkv, P, G] int32 original positions; EMPTY where the page is not attended.
         score: [B, Hkv, P] float32 per-page policy score.
         held: [B, Hkv, P] bool, the page holds codes (memory in use). A held page whose `pos`
@@ -162,7 +172,8 @@ class LowBitTier:
     def page_bytes(self) -> int:
         """K/V bytes of one page of one KV head: codes plus all their scales and zeros."""
         d = self.k_scale.shape[-1]
-        return lowbit_page_bytes(d, self.page_size, self.bits, d // self.v_scale.shape[-1])
+        vg = d // self.v_scale.shape[-1]
+        return lowbit_page_bytes(d, self.page_size, self.bits, vg, self.k_scale.dtype.itemsize)
 
 
 @struct.dataclass
@@ -305,14 +316,14 @@ def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier:
             f"{spec.lowbit_bits} bits"
         )
     ng = d // spec.lowbit_value_group
-    f32 = jnp.float32
+    f32, sd = jnp.float32, STAT_DTYPE
     return LowBitTier(
         k=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
         v=jnp.zeros((b, h, pages, g, dp), jnp.uint8),
-        k_scale=jnp.zeros((b, h, pages, d), f32),
-        k_zero=jnp.zeros((b, h, pages, d), f32),
-        v_scale=jnp.zeros((b, h, pages, g, ng), f32),
-        v_zero=jnp.zeros((b, h, pages, g, ng), f32),
+        k_scale=jnp.zeros((b, h, pages, d), sd),
+        k_zero=jnp.zeros((b, h, pages, d), sd),
+        v_scale=jnp.zeros((b, h, pages, g, ng), sd),
+        v_zero=jnp.zeros((b, h, pages, g, ng), sd),
         pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
         score=jnp.zeros((b, h, pages), f32),
         held=jnp.zeros((b, h, pages), bool),

@@ -15,6 +15,7 @@ from kvjax.quant._int8 import (
     quantize_int8_channel,
 )
 from kvjax.quant._lowbit import (
+    STAT_DTYPE,
     bytes_per_token,
     dequantize_per_channel,
     dequantize_per_token,
@@ -26,6 +27,7 @@ from kvjax.quant._pack import codes_per_byte, pack, unpack
 __all__ = [
     "BITS",
     "INT8_MAX",
+    "STAT_DTYPE",
     "bytes_per_token",
     "codes_per_byte",
     "dequantize_int8",

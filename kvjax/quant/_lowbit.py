@@ -4,9 +4,17 @@ For every group of numbers (the statistics axis): levels = 2**bits - 1, scale = 
 levels, zero = min, codes = clip(round((x - zero) / scale), 0, levels) as uint8, and
 x ≈ codes * scale + zero. Keys have outlier channels, so they are grouped per channel over a block
 of tokens; values are grouped per token over (groups of) channels (KIVI, Liu et al. 2024; QEvict
-uses one key group per (head, channel, window)). A constant group gets scale 0 and codes 0, and
-dequantizes to exactly its constant (the division uses 1 in place of a zero scale). Everything is
-computed in float32; bits 8 is the same scheme with unsigned codes 0..255.
+uses one key group per (head, channel, window)). Bits 8 is the same scheme with codes 0..255.
+
+The statistics are stored as bfloat16 (`STAT_DTYPE`, half the bytes of float32; see
+docs/decisions.md), rounded in the direction that keeps every input on the code grid: zero is
+min rounded down to a bfloat16 and scale is (max - zero) / levels rounded up, and the codes are
+computed against these stored values. So the rounding only widens the step: with u = 2**-7 (the
+bfloat16 spacing relative to its value), |x - dequantized| <= scale / 2 and
+scale <= (1 + u) * (max - min + u * |min|) / levels (plus float32 rounding). A group whose
+minimum is a bfloat16 (e.g. a constant bfloat16 group) keeps its zero exactly; a constant group
+whose constant is a bfloat16 gets scale 0 and dequantizes to exactly its constant (the division
+uses 1 in place of a zero scale). Everything else is computed in float32.
 """
 
 from __future__ import annotations
@@ -21,16 +29,32 @@ from kvjax.quant._pack import codes_per_byte
 
 Array = jax.Array
 
+STAT_DTYPE = jnp.bfloat16  # storage dtype of low-bit scales and zero points
+
+
+def _to_bf16(x: Array, up: bool) -> Array:
+    """float32 x rounded to a bfloat16 toward +inf (up) or -inf (not up), as float32.
+
+    Truncating the low 16 bits of a float32 rounds its magnitude down; one bfloat16 ulp more
+    magnitude (+0x10000 on the bits) rounds it up. Exact for every finite x.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    trunc = bits & jnp.uint32(0xFFFF0000)
+    inexact = (bits & jnp.uint32(0xFFFF)) != 0
+    away = inexact & ((x > 0) if up else (x < 0))  # the direction that grows the magnitude
+    out = jnp.where(away, trunc + jnp.uint32(0x10000), trunc)
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
 
 def _asymmetric(x: Array, bits: int, axis: int) -> tuple[Array, Array, Array]:
-    """codes uint8 shaped like x; scale, zero float32 with `axis` reduced (kept as size 1)."""
+    """codes uint8 shaped like x; scale, zero `STAT_DTYPE` with `axis` reduced (kept as size 1)."""
     levels = (1 << check_bits(bits)) - 1
     xf = x.astype(jnp.float32)
-    zero = jnp.min(xf, axis=axis, keepdims=True)
-    scale = (jnp.max(xf, axis=axis, keepdims=True) - zero) / levels
+    zero = _to_bf16(jnp.min(xf, axis=axis, keepdims=True), up=False)
+    scale = _to_bf16((jnp.max(xf, axis=axis, keepdims=True) - zero) / levels, up=True)
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     codes = jnp.clip(jnp.round((xf - zero) / safe), 0, levels).astype(jnp.uint8)
-    return codes, scale, zero
+    return codes, scale.astype(STAT_DTYPE), zero.astype(STAT_DTYPE)
 
 
 def quantize_per_channel(x: Array, bits: int) -> tuple[Array, Array, Array]:
@@ -42,8 +66,8 @@ def quantize_per_channel(x: Array, bits: int) -> tuple[Array, Array, Array]:
 
     Returns:
         codes: [..., T, D] uint8 in [0, 2**bits - 1].
-        scale: [..., D] float32, (max - min) / (2**bits - 1) over T.
-        zero: [..., D] float32, min over T.
+        scale: [..., D] bfloat16, (max - zero) / (2**bits - 1) over T, rounded up.
+        zero: [..., D] bfloat16, min over T, rounded down.
     """
     x = as_float(x, "x")
     if x.ndim < 2 or x.shape[-2] == 0:
@@ -86,8 +110,8 @@ def quantize_per_token(x: Array, bits: int, group: int | None = None) -> tuple[A
 
     Returns:
         codes: [..., D] uint8 in [0, 2**bits - 1].
-        scale: [..., D // group] float32 (None: [..., 1]).
-        zero: [..., D // group] float32 (None: [..., 1]).
+        scale: [..., D // group] bfloat16 (None: [..., 1]), rounded up as in the keys.
+        zero: [..., D // group] bfloat16 (None: [..., 1]), rounded down.
     """
     x = as_float(x, "x")
     d = x.shape[-1]
@@ -132,7 +156,7 @@ def bytes_per_token(
     *,
     key_group: int,
     value_group: int | None,
-    scale_bytes: int = 4,
+    scale_bytes: int = 2,
 ) -> float:
     """Exact storage of one token of one KV head: packed K and V codes plus amortized statistics.
 
@@ -143,14 +167,15 @@ def bytes_per_token(
               + 2 * s * (D / value_group)   # V: scale and zero per channel group of this token
 
     value_group None counts one value group (D / value_group = 1). E.g. D 64, bits 2, key_group 32,
-    value_group 32, float32 statistics: 32 + 16 + 16 = 64 bytes, vs 256 for bfloat16 K and V.
+    value_group 32, bfloat16 statistics: 32 + 8 + 8 = 48 bytes (64 with float32 statistics), vs
+    256 for bfloat16 K and V.
 
     Args:
         head_dim: D; must be a multiple of 8 // bits (so codes pack into whole bytes).
         bits: 2, 4 or 8.
         key_group: tokens sharing one key scale/zero per channel (T of `quantize_per_channel`).
         value_group: channels per value group (`group` of `quantize_per_token`); must divide D.
-        scale_bytes: bytes of one stored scale or zero (4 for float32, 2 for bfloat16).
+        scale_bytes: bytes of one stored scale or zero (2 for the stored bfloat16, 4 for float32).
     """
     n = codes_per_byte(bits)
     if head_dim <= 0 or head_dim % n:

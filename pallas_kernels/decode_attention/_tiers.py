@@ -57,8 +57,10 @@ class LowBitTier(NamedTuple):
     Attributes:
         k: [B, Hkv, P, Tp, Dp] uint8 packed key codes.
         v: [B, Hkv, P, Tp, Dp] uint8 packed value codes.
-        k_scale, k_zero: [B, Hkv, P, D] float32, per page and channel (key = code·scale + zero).
-        v_scale, v_zero: [B, Hkv, P, Tp, NG] float32, per token and group of D/NG channels.
+        k_scale, k_zero: [B, Hkv, P, D] float (kvjax stores bfloat16), per page and channel
+            (key = code·scale + zero); kernels read them in their dtype and compute in float32.
+        v_scale, v_zero: [B, Hkv, P, Tp, NG] float (bfloat16 in kvjax), per token and group of
+            D/NG channels.
         pos: [B, Hkv, P, Tp] int32, -1 = not attended (a held page can be dormant).
         extent: [B, Hkv] int32, one past the last page with an attended token.
     """

@@ -82,7 +82,8 @@ def _kernel(
             pk = k_ref[c]
             s = jnp.zeros((g, tp), jnp.float32)
             for j in range(n):
-                kj = codes(pk, j) * ks_ref[c, pl.ds(j, 1), :] + kz_ref[c, pl.ds(j, 1), :]
+                ksj = ks_ref[c, pl.ds(j, 1), :].astype(jnp.float32)  # stats may be bfloat16
+                kj = codes(pk, j) * ksj + kz_ref[c, pl.ds(j, 1), :].astype(jnp.float32)
                 s = s + dot(q_ref[j], kj.astype(cdt), _NT)
             pos = pos_ref[c]  # [1, Tp]
             seen = (pos >= 0) & (pos <= qpos_ref[b]) & live
@@ -92,7 +93,7 @@ def _kernel(
             p, corr = online_update(s, m_ref, l_ref)
             p = p.astype(cdt)
             pv_ = v_ref[c]
-            vs, vz = vs_ref[c], vz_ref[c]
+            vs, vz = vs_ref[c].astype(jnp.float32), vz_ref[c].astype(jnp.float32)
             for j in range(n):
                 vj = codes(pv_, j) * dot(vs, spread(j), _NN) + dot(vz, spread(j), _NN)
                 vj = jnp.where(live, vj, 0.0)  # padding pages past P may hold NaN stats

@@ -84,7 +84,7 @@ def test_bench_decode_runs_tiered_policies(tiny_llama, name, budget):
 def test_bench_kernel_rows_bytes_and_errors():
     from kvjax.eval._bench_kernel import bench_kernel
 
-    rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-bf16stats")
+    rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -107,10 +107,11 @@ def test_bench_kernel_rows_bytes_and_errors():
     for name in ("copy", "xla-bf16", "xla-dequant-int8"):
         assert res[name].error is None and res[name].us > 0 and res[name].tbps > 0
     # INT4 codes are a quarter of BF16; per KV head (2), a scale and a zero per page·channel
-    # (4 pages × 64) and per token·group (64 × 2), float32; an int32 pos per slot.
+    # (4 pages × 64) and per token·group (64 × 2), bfloat16 as stored (float32 in the
+    # -f32stats row); an int32 pos per slot.
     stats = 2 * 2 * (4 * 64 + 64 * 2)
-    assert res["pallas-int4"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
-    assert res["pallas-int4-bf16stats"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
+    assert res["pallas-int4"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
+    assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
 

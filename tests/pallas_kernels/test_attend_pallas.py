@@ -94,7 +94,7 @@ def test_auto_picks_pallas_only_on_accelerators():
     assert resolve_implementation("xla", "gpu") == "xla"
 
 
-@pytest.mark.parametrize("case", ["h2o", "confkv-int8", "kivi"])
+@pytest.mark.parametrize("case", ["h2o", "confkv-int8", "kivi", "qevict"])
 def test_decode_through_pallas_equals_xla(tiny_llama, case):
     config, params = tiny_llama
     policy = build(case, 12)
@@ -108,10 +108,11 @@ def test_decode_through_pallas_equals_xla(tiny_llama, case):
     np.testing.assert_allclose(nll["pallas"], nll["xla"], atol=2e-4, rtol=2e-4)
 
 
-def test_generate_with_pallas_equals_xla(tiny_llama):
+@pytest.mark.parametrize("case", ["confkv-int8", "kivi", "qevict"])  # every quantized tier
+def test_generate_with_pallas_equals_xla(tiny_llama, case):
     config, params = tiny_llama
     prompts = [[5, 9, 33, 2, 7, 1, 8], [4, 4, 90]]
-    policy = build("confkv-int8", 12)
+    policy = build(case, 12)
     out = {
         impl: generate(
             config,
@@ -123,3 +124,5 @@ def test_generate_with_pallas_equals_xla(tiny_llama):
         for impl in ("xla", "pallas")
     }
     np.testing.assert_array_equal(np.asarray(out["pallas"].tokens), np.asarray(out["xla"].tokens))
+    tier = 1 if case == "confkv-int8" else 2  # the quantized tier was attended
+    assert np.max(np.asarray(out["xla"].telemetry.live_slots)[..., tier]) > 0

@@ -161,7 +161,8 @@ def test_triton_lowbit_block_sizes_agree(block_k):
     )  # fmt: skip
     one, many = run(16), run(block_k)
     for a, b in zip(combine([many]), combine([one]), strict=True):  # splits differ: combine
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+        # float32, up to the summation order of the two block shapes (as the logits below)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     seen = np.asarray(lowbit.pos).reshape(*one.logits.shape[:2], 1, -1) >= 0
     seen = np.broadcast_to(seen, one.logits.shape)
     # float32 logits: equal up to the dots' summation order on the two block shapes

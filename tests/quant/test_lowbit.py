@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from quant_inputs import inputs
 
 from kvjax.quant import (
+    STAT_DTYPE,
     bytes_per_token,
     dequantize_per_channel,
     dequantize_per_token,
@@ -22,13 +23,28 @@ from kvjax.quant import (
 BITS = (2, 4, 8)
 
 
-def ref_asymmetric(x, bits, axis):
-    """float64 reference: codes, scale, zero (axis kept) and the unrounded quotient."""
+U = 2.0**-7  # bfloat16 spacing relative to its value (8 significant bits)
+F32 = 2.0**-22  # slack for the float32 arithmetic of max - zero and the division
+
+
+def ref_asymmetric(x, bits, axis, scale, zero):
+    """float64 checks of the stored bfloat16 statistics, and float64 reference codes from them.
+
+    zero is min rounded down to a bfloat16 (0 <= min - zero <= U·|min|) and scale is
+    (max - zero) / levels rounded up (within a factor 1 + U). Returns the reference codes, the
+    unrounded quotient and the derived bound (1 + U)·(max - min + U·|min|) / levels on the step.
+    """
     levels = 2**bits - 1
-    zero = np.min(x, axis=axis, keepdims=True)
-    scale = (np.max(x, axis=axis, keepdims=True) - zero) / levels
+    scale = np.expand_dims(np.asarray(scale, np.float64), axis)
+    zero = np.expand_dims(np.asarray(zero, np.float64), axis)
+    lo = np.min(x, axis=axis, keepdims=True)
+    hi = np.max(x, axis=axis, keepdims=True)
+    assert np.all(zero <= lo) and np.all(lo - zero <= U * np.abs(lo))
+    exact = (hi - zero) / levels
+    assert np.all(scale >= exact * (1 - F32)) and np.all(scale <= exact * (1 + U) * (1 + F32))
+    bound = (1 + U) * (hi - lo + U * np.abs(lo)) / levels * (1 + F32)
     q = (x - zero) / np.where(scale > 0, scale, 1.0)
-    return np.clip(np.round(q), 0, levels), scale, zero, q
+    return np.clip(np.round(q), 0, levels), q, bound
 
 
 def assert_codes_match(codes, ref_codes, q):
@@ -39,13 +55,16 @@ def assert_codes_match(codes, ref_codes, q):
     np.testing.assert_array_equal(codes[clear], ref_codes[clear])
 
 
-def assert_round_trip(x64, deq, scale, zero, kind):
-    """|x - deq(q(x))| <= scale / 2 up to float32 rounding (relative to the group's own scale and
-    offset, so an outlier elsewhere never loosens it); constant inputs come back exactly."""
+def assert_round_trip(x64, deq, scale, zero, bound, kind):
+    """|x - deq(q(x))| <= scale / 2 <= bound / 2 up to float32 rounding (relative to the group's
+    own statistics, so an outlier elsewhere never loosens it); a constant input comes back exactly
+    when it is a bfloat16 (its zero is then exact and its scale 0)."""
     deq = np.asarray(deq, np.float64)
-    tol = scale * (0.5 + 1e-4) + 1e-6 * (np.abs(x64) + np.abs(zero))
-    assert np.all(np.abs(x64 - deq) <= tol)
-    if kind in ("constant", "zeros"):
+    slack = 1e-6 * (np.abs(x64) + np.abs(zero))
+    assert np.all(np.abs(x64 - deq) <= scale * (0.5 + 1e-4) + slack)
+    assert np.all(np.abs(x64 - deq) <= bound * (0.5 + 1e-4) + slack)
+    is_bf16 = np.all(x64 == np.asarray(jnp.asarray(x64, jnp.bfloat16), np.float64))
+    if kind in ("constant", "zeros") and is_bf16:
         np.testing.assert_array_equal(deq, x64)
 
 
@@ -66,30 +85,43 @@ def test_matches_reference_and_bound(case, bits, group):
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
 
     # keys, per channel: statistics over T
-    ref_codes, ref_scale, ref_zero, q = ref_asymmetric(x64, bits, axis=-2)
     assert codes.dtype == jnp.uint8 and codes.shape == x.shape
     stat_shape = x.shape[:-2] + x.shape[-1:]
-    assert scale.dtype == zero.dtype == jnp.float32
+    assert scale.dtype == zero.dtype == STAT_DTYPE == jnp.bfloat16
     assert scale.shape == zero.shape == stat_shape
-    np.testing.assert_allclose(scale, ref_scale[..., 0, :], rtol=1e-6)
-    np.testing.assert_array_equal(zero, ref_zero[..., 0, :])
+    ref_codes, q, bound = ref_asymmetric(x64, bits, -2, scale, zero)
     assert_codes_match(codes, ref_codes, q)
-    assert_round_trip(x64, deq, ref_scale, ref_zero, kind)
+    stat = lambda a: np.asarray(a, np.float64)[..., None, :]
+    assert_round_trip(x64, deq, stat(scale), stat(zero), bound, kind)
 
     # values, per token: statistics over channel groups of size g
     g = d if group is None else group
     grouped = x64.reshape(*x.shape[:-1], d // g, g)
-    ref_codes, ref_scale, ref_zero, q = ref_asymmetric(grouped, bits, axis=-1)
     assert codes_v.dtype == jnp.uint8 and codes_v.shape == x.shape
-    assert scale_v.dtype == zero_v.dtype == jnp.float32
+    assert scale_v.dtype == zero_v.dtype == jnp.bfloat16
     assert scale_v.shape == zero_v.shape == x.shape[:-1] + (d // g,)
-    np.testing.assert_allclose(scale_v, ref_scale[..., 0], rtol=1e-6)
-    np.testing.assert_array_equal(zero_v, ref_zero[..., 0])
+    ref_codes, q, bound = ref_asymmetric(grouped, bits, -1, scale_v, zero_v)
     assert_codes_match(codes_v, ref_codes.reshape(x.shape), q.reshape(x.shape))
-    per_channel = functools.partial(np.repeat, repeats=g, axis=-1)
+    groups = lambda a: np.asarray(a, np.float64).reshape(x.shape[:-1] + (-1,))
+    per_channel = lambda a: np.repeat(groups(a), g, -1)
     assert_round_trip(
-        x64, deq_v, per_channel(ref_scale[..., 0]), per_channel(ref_zero[..., 0]), kind
+        x64, deq_v, per_channel(scale_v), per_channel(zero_v), per_channel(bound), kind
     )
+
+
+def test_statistics_round_outward_golden():
+    # 1 + 2**-10 is not a bfloat16 (8 significant bits): a minimum of -(1 + 2**-10) rounds down to
+    # -(1 + 2**-7); the maximum 2 then needs a step (2 + 1 + 2**-7) / 3 = 1.0026..., rounded up to
+    # the next bfloat16 1 + 2**-7 = 1.0078125, and every input stays on the grid.
+    x = jnp.array([[-(1 + 2**-10)], [2.0]])  # [T=2, D=1]
+    codes, scale, zero = quantize_per_channel(x, 2)
+    np.testing.assert_array_equal(zero.astype(jnp.float32), [-(1 + 2**-7)])
+    np.testing.assert_array_equal(scale.astype(jnp.float32), [1 + 2**-7])
+    # (x - zero) / scale = [(2**-7 - 2**-10) / 1.0078125, 3.0078125 / 1.0078125]
+    #   = [0.0068, 2.9845] -> codes [0, 3]; dequantized [zero, 3 * scale + zero]
+    np.testing.assert_array_equal(codes, np.array([[0], [3]], np.uint8))
+    deq = np.asarray(dequantize_per_channel(codes, scale, zero), np.float64)
+    np.testing.assert_array_equal(deq[:, 0], [-(1 + 2**-7), 2 + 2**-6])
 
 
 def test_golden_keys_per_channel_2bit():
@@ -174,11 +206,13 @@ def test_bad_inputs():
 
 
 def test_bytes_per_token_golden():
-    # D 64, 2 bits, key group 32, value group 32, float32 statistics:
-    #   codes 2 * 64 * 2 / 8 = 32; keys 2 * 4 * 64 / 32 = 16; values 2 * 4 * (64 / 32) = 16
-    assert bytes_per_token(64, 2, key_group=32, value_group=32) == 64.0
-    # value_group None: one value group -> 2 * 4 * 1 = 8; 4 bits: codes 64
-    assert bytes_per_token(64, 4, key_group=32, value_group=None) == 64 + 16 + 8
+    # D 64, 2 bits, key group 32, value group 32, bfloat16 statistics (the default):
+    #   codes 2 * 64 * 2 / 8 = 32; keys 2 * 2 * 64 / 32 = 8; values 2 * 2 * (64 / 32) = 8
+    assert bytes_per_token(64, 2, key_group=32, value_group=32) == 48.0
+    # float32 statistics double the statistics: 32 + 16 + 16
+    assert bytes_per_token(64, 2, key_group=32, value_group=32, scale_bytes=4) == 64.0
+    # value_group None: one value group -> 2 * 2 * 1 = 4; 4 bits: codes 64
+    assert bytes_per_token(64, 4, key_group=32, value_group=None) == 64 + 8 + 4
     # amortized key statistics need not be whole bytes: 2 * 2 * 8 / 3
     assert bytes_per_token(8, 2, key_group=3, value_group=None, scale_bytes=2) == pytest.approx(
         4 + 32 / 3 + 4
