@@ -17,6 +17,7 @@ from kvjax.policies import Policy
 from kvjax.sharding import (
     Axis,
     Layout,
+    Names,
     ShardingRules,
     constrain_cache,
     place_global,
@@ -49,8 +50,8 @@ def layout_for(
 def place_rows(x: np.ndarray, layout: Layout) -> Array:
     """A host array with leading batch axis, split over the layout's batch axis. Every process
     passes the whole array (multi-process: each keeps its addressable rows)."""
-    batch = layout.mesh_axis(Axis.BATCH)
-    sharding = NamedSharding(layout.mesh, PartitionSpec(batch, *([None] * (x.ndim - 1))))
+    names = Names((Axis.BATCH,) + (None,) * (x.ndim - 1))
+    sharding = layout.sharding(names)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
