@@ -12,7 +12,14 @@ import pytest
 from policy_cases import NAMES
 from sharding_cases import PROMPTS, mesh
 
-from kvjax.generate import GenerateConfig, generate, model_step, new_cache, prefill_cache
+from kvjax.generate import (
+    GenerateConfig,
+    Sampling,
+    generate,
+    model_step,
+    new_cache,
+    prefill_cache,
+)
 from kvjax.generate._sharded import _generate_on, layout_for
 from kvjax.generate._step import cache_spec_for
 from kvjax.sharding import TENSOR_PARALLEL, cache_shardings, shard_params, use_layout
@@ -106,3 +113,18 @@ def test_pallas_kernels_per_device_on_2x4_match_unsharded(model8, policy8, case)
     gen = dataclasses.replace(GEN, implementation="pallas")
     got = generate(config, params, PROMPTS, policy=policy, gen=gen, mesh=mesh("2x4"))
     _assert_same(got, _reference(model8, policy8(case)))
+
+
+def test_per_row_seeds_on_a_mesh_sample_the_unsharded_tokens(model8, policy8):
+    """Row i samples with key(seed[i]) on a mesh too (the seeds split with the rows)."""
+    config, params = model8
+    gen = dataclasses.replace(GEN, sampling=Sampling(temperature=1.0))
+    seeds = [11 * i + 3 for i in range(len(PROMPTS))]
+    policy = policy8("window")
+    ref = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=seeds)
+    got = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=seeds, mesh=mesh("2x4"))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    one = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=3, mesh=mesh("2x4"))
+    assert not np.array_equal(np.asarray(one.tokens), np.asarray(got.tokens))  # seeds matter
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate(config, params, PROMPTS, policy=policy, gen=gen, seed=[1, 2], mesh=mesh("2x4"))
