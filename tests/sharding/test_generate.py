@@ -1,9 +1,11 @@
 """`generate(..., mesh=)` equals the unsharded run: every policy of the shared list on a 2x4
-(data x model) mesh, the all-tier QEvict on every mesh; the same greedy tokens, telemetry within
+(data x model) mesh, QEvict and one more policy engine on each other mesh (every pair with
+KVJAX_EVERY_MESH=1); the same greedy tokens, telemetry within
 float32 summation order, one compilation; and the decode logits within 1e-5."""
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +60,26 @@ def test_every_policy_on_2x4_matches_unsharded_and_compiles_once(model8, policy8
     assert _generate_on._cache_size() == before + 1
 
 
-@pytest.mark.parametrize("mesh_name", ["1x8", "4x2", "8x1"])
-def test_qevict_on_every_mesh_matches_unsharded(model8, policy8, mesh_name):
+# The other meshes: every (mesh, policy) pair is one compilation (~11 s CPU each on the
+# 2-core CI machine, 2026-12-01), 60 in all. CI runs QEvict (full precision, low-bit pages,
+# write-once ledger) on each and one more policy engine per mesh — CONF-KV's INT8 tier and
+# vocabulary-sharded confidence with the heads split 8 ways, KVpop's policy-owned scorer state,
+# SnapKV's prefill press with the batch split 8 ways — reusing the 2x4 test's unsharded
+# references; KVJAX_EVERY_MESH=1 runs every pair.
+_CI_PAIRS = {("1x8", "confkv-int8"), ("4x2", "kvpop"), ("8x1", "snapkv")}
+_CI_PAIRS |= {(m, "qevict") for m in ("1x8", "4x2", "8x1")}
+_PAIRS = [
+    (m, c)
+    for m in ("1x8", "4x2", "8x1")
+    for c in NAMES
+    if os.environ.get("KVJAX_EVERY_MESH") == "1" or (m, c) in _CI_PAIRS
+]
+
+
+@pytest.mark.parametrize(("mesh_name", "case"), _PAIRS)
+def test_policy_on_every_mesh_matches_unsharded(model8, policy8, mesh_name, case):
     config, params = model8
-    policy = policy8("qevict")  # full-precision, low-bit pages, write-once ledger
+    policy = policy8(case)
     got = generate(config, params, PROMPTS, policy=policy, gen=GEN, mesh=mesh(mesh_name))
     _assert_same(got, _reference(model8, policy))
 
