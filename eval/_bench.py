@@ -89,6 +89,29 @@ def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
     return Cache(layers=layers, length=cache.length + chunk, policy_state=cache.policy_state)
 
 
+def greedy_steps(
+    config: ModelConfig,
+    policy: Policy,
+    steps: int,
+    impl: str,
+    params: Params,
+    cache: Cache,
+    tok: jax.Array,
+) -> tuple[Cache, jax.Array]:
+    """`steps` greedy decode steps from tokens tok [B] int32 (traced; the one loop body of the
+    unsharded and the `--mesh` bench): (cache, last tokens [B] int32)."""
+
+    def body(_, carry):
+        cache, tok = carry
+        valid = jnp.ones((tok.shape[0], 1), bool)
+        logits, cache = model_step(
+            config, policy, params, cache, tok[:, None], valid, implementation=impl
+        )
+        return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, steps, body, (cache, tok))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def _decode(
     config: ModelConfig,
@@ -99,20 +122,7 @@ def _decode(
     cache: Cache,
     tok: jax.Array,
 ):
-    def body(_, carry):
-        cache, tok = carry
-        logits, cache = model_step(
-            config,
-            policy,
-            params,
-            cache,
-            tok[:, None],
-            jnp.ones((tok.shape[0], 1), bool),
-            implementation=impl,
-        )
-        return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-
-    return jax.lax.fori_loop(0, steps, body, (cache, tok))
+    return greedy_steps(config, policy, steps, impl, params, cache, tok)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))

@@ -8,12 +8,10 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from kvjax.cache import Cache, layer_slot_bytes
-from kvjax.generate import model_step
+from kvjax.eval._bench import greedy_steps
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
 from kvjax.sharding import (
@@ -84,25 +82,12 @@ def sharded_decode(
     cache: Cache,
     tok: jax.Array,
 ):
-    """`steps` greedy decode steps (as the unsharded bench's), traced under `layout`."""
-
-    def body(_, carry):
-        cache, tok = carry
-        logits, cache = model_step(
-            config,
-            policy,
-            params,
-            cache,
-            tok[:, None],
-            jnp.ones((tok.shape[0], 1), bool),
-            implementation=impl,
-        )
-        return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-
+    """`steps` greedy decode steps (the unsharded bench's loop, `greedy_steps`), traced under
+    `layout`; the outputs keep the inputs' shardings, so feeding them back reuses this
+    executable."""
     with use_layout(layout):
-        cache, tok = jax.lax.fori_loop(0, steps, body, (constrain_cache(cache), tok))
-        # Outputs carry the inputs' shardings, so feeding them back hits the same executable.
-        rows = NamedSharding(layout.mesh, layout.spec(Names((Axis.BATCH,))))
+        cache, tok = greedy_steps(config, policy, steps, impl, params, constrain_cache(cache), tok)
+        rows = layout.sharding(Names((Axis.BATCH,)))
         return constrain_cache(cache), jax.lax.with_sharding_constraint(tok, rows)
 
 
@@ -117,8 +102,7 @@ def sharded_step(config, policy, steps, impl, mesh, params, cache, tok):
     does; the collectives come from one more compilation of the same loop, read as HLO text."""
     layout = decode_layout(config, cache, mesh, TENSOR_PARALLEL)
     params, cache = place(layout, params, cache)
-    rows = NamedSharding(layout.mesh, layout.spec(Names((Axis.BATCH,))))
-    tok = jax.device_put(tok, rows)
+    tok = jax.device_put(tok, layout.sharding(Names((Axis.BATCH,))))
     hlo = sharded_decode.lower(config, policy, steps, impl, layout, params, cache, tok)
     fields = dict(
         mesh=",".join(f"{k}={v}" for k, v in mesh.shape.items()),

@@ -68,11 +68,6 @@ class LM:
         Every method goes through here, so sharding (a mesh) is added in this one place.
         """
         if self.mesh is not None:
-            if fn is not generate:
-                raise ValueError(
-                    f"{fn.__name__} does not run on a mesh yet (only generate does); "
-                    "load the model without mesh= to score text"
-                )
             kwargs["mesh"] = self.mesh
         return fn(self.config, self.params, tokens, **kwargs)
 
@@ -306,7 +301,7 @@ def load(
         dtype: weights dtype (e.g. `jnp.float32`, `jnp.bfloat16` or "bfloat16"); the cache's
             full-precision tier uses it too.
         implementation: attention implementation ("auto", "xla", or a Pallas variant).
-        mesh: generate sharded over this device mesh (`kvjax.sharding.make_mesh(data=...,
+        mesh: generate and score sharded over this device mesh (`kvjax.sharding.make_mesh(data=...,
             model=...)`, docs/sharding.md); the params are placed on it once, here.
 
     Raises:

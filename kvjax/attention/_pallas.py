@@ -153,9 +153,8 @@ def attend_pallas_sharded(
     scale: float,
     need_mass: bool = True,
 ) -> tuple[Array, AttnStats]:
-    """`attend_pallas` under `shard_map` over the layout's mesh (Pallas calls do not partition
-    themselves): each device runs the kernels on its batch rows, KV heads (with their query
-    heads) and, context-parallel, its slots. Same arguments and results as `attend_pallas`."""
+    """`attend_pallas` per device of `layout`'s mesh (module docstring); the other arguments
+    and the results are `attend_pallas`'s, with global shapes."""
     b_, h_, hq_, c_ = Axis.BATCH, Axis.KV_HEADS, Axis.HEADS, Axis.SLOTS
     spec = lambda *axes: layout.spec(Names(axes))
     heads_q, heads_kv, rows = spec(b_, None, hq_, None), spec(b_, None, h_, None), spec(b_, None)

@@ -18,10 +18,20 @@ from flax import struct
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, attended_slots_per_layer
 from kvjax.generate._fit import fit_policy
-from kvjax.generate._step import model_step, new_cache
+from kvjax.generate._step import cache_spec_for, model_step, new_cache
 from kvjax.generate._validate import check_window
 from kvjax.models import ModelConfig, Params
 from kvjax.policies import Policy
+from kvjax.sharding import (
+    TENSOR_PARALLEL,
+    Layout,
+    ShardingRules,
+    cache_shardings,
+    constrain_cache,
+    place_global,
+    shard_params,
+    use_layout,
+)
 
 Array = jax.Array
 
@@ -40,19 +50,26 @@ class ScoreOutput:
     cache: Cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
 def _score_segment(
     config: ModelConfig,
     policy: Policy,
     chunk: int,
     impl: Implementation,
+    layout: Layout | None,
     params: Params,
     cache: Cache,
     tokens: Array,
     targets: Array,
     valid: Array,
 ):
-    """Feed a segment [B, K] chunk by chunk; NLL of each token's target. Cache is donated."""
+    """Feed a segment [B, K] chunk by chunk; NLL of each token's target. Cache is donated.
+    Traced under `layout` (None: unsharded)."""
+    with use_layout(layout):
+        return _score_chunks(config, policy, chunk, impl, params, cache, tokens, targets, valid)
+
+
+def _score_chunks(config, policy, chunk, impl, params, cache, tokens, targets, valid):
     b, k = tokens.shape
 
     def body(cache, xs):
@@ -64,7 +81,8 @@ def _score_segment(
         return cache, (nll, jnp.broadcast_to(live[:, None], (b, chunk, *live.shape[1:])))
 
     split = lambda x: jnp.moveaxis(x.reshape(b, k // chunk, chunk), 1, 0)
-    cache, (nll, live) = jax.lax.scan(body, cache, (split(tokens), split(targets), split(valid)))
+    xs = (split(tokens), split(targets), split(valid))
+    cache, (nll, live) = jax.lax.scan(body, constrain_cache(cache), xs)
     nll = jnp.moveaxis(nll, 0, 1).reshape(b, k)
     live = jnp.moveaxis(live, 0, 1).reshape(b, k, *live.shape[-2:])
     return cache, nll, jnp.moveaxis(live, 0, 1)
@@ -82,6 +100,8 @@ def score_tokens(
     implementation: Implementation = "auto",
     progress: bool = False,
     lengths: Sequence[int] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules = TENSOR_PARALLEL,
 ) -> ScoreOutput:
     """Teacher-forced NLL of every token after the first, through the policy's cache.
 
@@ -97,6 +117,9 @@ def score_tokens(
         progress: show a progress bar.
         lengths: [B] real tokens per row, each in [2, S] (texts of different lengths,
             right-padded); None: every row has S. Padding is never cached or scored.
+        mesh: score sharded over this device mesh, as `generate(..., mesh=)` (params and cache
+            placed by `rules`, rows split over its batch axis). None: one device.
+        rules: how logical axes map onto the mesh's axes (used only with `mesh`).
 
     Raises:
         ValueError: bad shapes, token ids, lengths, or a policy built for another model.
@@ -134,6 +157,15 @@ def score_tokens(
     val[:, :n] = np.arange(n)[None, :] < (lengths[:, None] - 1)
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype)
+    layout, rows = None, jnp.asarray
+    if mesh is not None:
+        from kvjax.generate._sharded import layout_for, place_rows
+
+        spec = cache_spec_for(config, policy, batch=b, max_len=n_pad, dtype=dtype)
+        layout = layout_for(config, spec, mesh, rules)
+        params = shard_params(params, layout)
+        cache = place_global(cache, cache_shardings(cache, layout))
+        rows = lambda x: place_rows(x, layout)
     nlls, lives = [], []
     bar = range(0, n_pad, segment)
     if progress:
@@ -142,8 +174,9 @@ def score_tokens(
         bar = tqdm(bar, desc=f"ppl [{policy.name}]", unit="seg", total=n_pad // segment)
     for start in bar:
         sl = slice(start, start + segment)
+        seg = (rows(inp[:, sl]), rows(tgt[:, sl]), rows(val[:, sl]))
         cache, nll, live = _score_segment(
-            config, policy, chunk, implementation, params, cache, inp[:, sl], tgt[:, sl], val[:, sl]
+            config, policy, chunk, implementation, layout, params, cache, *seg
         )
         nlls.append(nll)
         lives.append(live)

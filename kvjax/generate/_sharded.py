@@ -4,6 +4,7 @@ a `Layout` and traced under it (so the attention dispatch runs its kernels per d
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ from kvjax.policies import Policy
 from kvjax.sharding import (
     Axis,
     Layout,
+    Names,
     ShardingRules,
     constrain_cache,
     place_global,
@@ -49,8 +51,8 @@ def layout_for(
 def place_rows(x: np.ndarray, layout: Layout) -> Array:
     """A host array with leading batch axis, split over the layout's batch axis. Every process
     passes the whole array (multi-process: each keeps its addressable rows)."""
-    batch = layout.mesh_axis(Axis.BATCH)
-    sharding = NamedSharding(layout.mesh, PartitionSpec(batch, *([None] * (x.ndim - 1))))
+    names = Names((Axis.BATCH,) + (None,) * (x.ndim - 1))
+    sharding = layout.sharding(names)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
@@ -64,19 +66,26 @@ def generate_sharded(
     params: Params,
     tokens: np.ndarray,
     lengths: np.ndarray,
-    seed: int,
+    seed: int | Sequence[int],
 ) -> GenerateOutput:
     """`generate`'s jitted core on `mesh` (arguments already validated by `generate`). Every
     process of a multi-controller run calls it with the same arguments."""
-    if not isinstance(seed, int):
-        raise ValueError(f"on a mesh, seed must be one int (per-row seeds: unsharded), not {seed}")
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32) on a mesh, got {seed}")
+    seeds = [seed] if isinstance(seed, int) else list(seed)
+    if not isinstance(seed, int) and (
+        len(seeds) != spec.batch or not all(isinstance(s, int) for s in seeds)
+    ):
+        raise ValueError(f"seed must be an int or {spec.batch} ints (one per prompt), got {seed!r}")
+    if not all(0 <= s < 2**32 for s in seeds):
+        raise ValueError(f"seeds must be in [0, 2**32) on a mesh, got {seed!r}")
     layout = layout_for(config, spec, mesh, rules)
     params = shard_params(params, layout)
     tokens, lengths = place_rows(tokens, layout), place_rows(lengths, layout)
-    replicated = NamedSharding(layout.mesh, PartitionSpec())
-    seed = place_global(np.asarray(seed, np.uint32), replicated)  # the key is made inside
+    if isinstance(seed, int):  # the keys are made inside: one, folded with each row's index
+        seed = place_global(
+            np.asarray(seed, np.uint32), NamedSharding(layout.mesh, PartitionSpec())
+        )
+    else:  # row i samples with key(seed[i]), as unsharded; the seeds split with the rows
+        seed = place_rows(np.asarray(seeds, np.uint32), layout)
     return _generate_on(config, policy, gen, spec, layout, params, tokens, lengths, seed)
 
 
@@ -92,7 +101,7 @@ def _generate_on(
     lengths: Array,
     seed: Array,
 ) -> GenerateOutput:
-    key = jax.random.key(seed)
+    key = jax.random.key(seed) if seed.ndim == 0 else jax.vmap(jax.random.key)(seed)
     with use_layout(layout):
         cache = constrain_cache(policy.empty_cache(spec))  # allocated sharded, never gathered
         out = prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]

@@ -34,6 +34,7 @@ from kvjax.policies._regions import (
     scatter_fp,
     scatter_fused,
 )
+from kvjax.sharding import slots_sharded, take_slots
 
 Array = jax.Array
 _INF = jnp.inf
@@ -193,6 +194,8 @@ class RankedPolicy(Policy):
         (write_kernel "pallas") or XLA scatters per layer."""
         if resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas":
             return tuple(scatter_fused(plans))
+        if slots_sharded():  # context-parallel: each device scatters into its own slots
+            return tuple(scatter_fused(plans, kernel="xla"))
         return tuple(writes.apply(layer) for layer, writes in plans)
 
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
@@ -234,7 +237,10 @@ class RankedPolicy(Policy):
             score=self.init_score(stats.new_mass, pos_new[:, None, :], state, li),
         )
         ring_slot = jnp.broadcast_to((cur % w)[:, None, None], (b, h, 1))
-        leaving = fp_slice(layer, 0, w).take(ring_slot)  # the token the new one pushes out
+        # The token the new one pushes out, read from the whole arrays (a slice of the ring
+        # would reshard a slot-split cache: context-parallel, each device reads its own slots).
+        fields = (layer.k, layer.v, layer.pos, layer.score)
+        leaving = Tokens(*take_slots(fields, ring_slot))
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
         if self.frozen_in_decode:
             leave_prio = jnp.full_like(leave_prio, -_INF)

@@ -3,6 +3,8 @@ the recent ring, or the INT8 tier), gathered and scattered per (batch, KV head).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -110,20 +112,51 @@ class SlotWrites:
         return scatter_fp(layer, *self.fp)
 
 
-def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache]:
-    """Every layer's SlotWrites in one kernel launch (`kvjax.pallas_kernels.slot_write`; the
-    interpreter on CPU) instead of one XLA scatter per array and layer. Equal to
-    `writes.apply(layer)` for each (layer, writes)."""
-    from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots  # Triton: load on use
+class _Write(NamedTuple):
+    """`kvjax.pallas_kernels.slot_write.SlotWrite`'s fields (that module loads Triton)."""
+
+    slots: Array
+    arrays: tuple[Array, ...]
+    rows: tuple[Array, ...]
+
+
+def _scatter_writes(*writes: _Write) -> tuple[tuple[Array, ...], ...]:
+    """The slot-write kernel's contract as XLA scatters: rows into slots, out of range dropped."""
+
+    def put(a: Array, slots: Array, x: Array) -> Array:
+        b, h, _ = slots.shape
+        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+        return a.at[bi, hi, slots].set(x.astype(a.dtype), mode="drop")
+
+    return tuple(
+        tuple(put(a, w.slots, r) for a, r in zip(w.arrays, w.rows, strict=True)) for w in writes
+    )
+
+
+def scatter_fused(
+    plans: list[tuple[LayerCache, SlotWrites]], *, kernel: str = "pallas"
+) -> list[LayerCache]:
+    """Every layer's SlotWrites together, equal to `writes.apply(layer)` for each (layer,
+    writes): "pallas", one kernel launch (`kvjax.pallas_kernels.slot_write`; the interpreter on
+    CPU) instead of one XLA scatter per array and layer; "xla", XLA scatters. On a mesh both run
+    per device under shard_map (`kvjax.sharding.map_slot_writes`): with the slot axis split
+    (context-parallel) each device writes only the rows aimed at its own slots, so no slot
+    shard crosses devices."""
     from kvjax.sharding import map_slot_writes
 
     backend = jax.default_backend()
-    if backend == "tpu":
-        raise ValueError("write_kernel='pallas' has no TPU kernel yet; use write_kernel='xla'")
+    if kernel == "pallas":
+        if backend == "tpu":
+            raise ValueError("write_kernel='pallas' has no TPU kernel yet; use write_kernel='xla'")
+        from kvjax.pallas_kernels.slot_write import write_slots  # Triton: load on use
+
+        run, knobs = write_slots, dict(interpret=backend == "cpu")
+    else:
+        run, knobs = _scatter_writes, {}
 
     def group(store, slots_toks, names):
         slots, toks = slots_toks
-        return SlotWrite(
+        return _Write(
             slots, tuple(getattr(store, f) for f in names), tuple(getattr(toks, f) for f in names)
         )
 
@@ -132,8 +165,7 @@ def scatter_fused(plans: list[tuple[LayerCache, SlotWrites]]) -> list[LayerCache
         groups.append(group(layer, w.fp, _FP_FIELDS))
         if w.int8 is not None:
             groups.append(group(layer.int8, w.int8, _INT8_FIELDS))
-    # On a mesh the kernel runs per device under shard_map (kvjax.sharding.map_slot_writes).
-    outs = iter(map_slot_writes(write_slots, tuple(groups), interpret=backend == "cpu"))
+    outs = iter(map_slot_writes(run, tuple(groups), **knobs))
     done = []
     for layer, w in plans:
         layer = layer.replace(**dict(zip(_FP_FIELDS, next(outs), strict=True)))

@@ -3,7 +3,7 @@
 
 from kvjax.sharding._axes import PARAM_AXES, Axis, Names, cache_names, layer_names, param_names
 from kvjax.sharding._hlo import collectives, large_collectives
-from kvjax.sharding._kernels import map_slot_writes
+from kvjax.sharding._kernels import map_slot_writes, slots_sharded, take_slots
 from kvjax.sharding._place import (
     active_layout,
     bytes_per_device,
@@ -54,5 +54,7 @@ __all__ = [
     "place_global",
     "resolve_layout",
     "shard_params",
+    "slots_sharded",
+    "take_slots",
     "use_layout",
 ]

@@ -56,3 +56,45 @@ def _local_slots(slots: Array, local_capacity: int, axis: str) -> Array:
     """Global slot indices → this device's (local_capacity = out of range: dropped)."""
     s = slots - jax.lax.axis_index(axis).astype(jnp.int32) * local_capacity
     return jnp.where((s >= 0) & (s < local_capacity), s, local_capacity)
+
+
+def slots_sharded() -> bool:
+    """Whether the code being traced splits the cache's slot axis over devices."""
+    layout = active_layout()
+    return layout is not None and layout.axis_size(Axis.SLOTS) > 1
+
+
+def take_slots(arrays: tuple[Array, ...], slots: Array) -> tuple[Array, ...]:
+    """`a[b, h, slots[b, h, n]]` of each array [B, H, C(, ...)] (slots [B, H, N] int32 in
+    [0, C)), as rows [B, H, N(, ...)].
+
+    With the slot axis split (context-parallel) each device reads the rows its own slots hold
+    (zeros elsewhere) and one psum over the slot axis merges them: only the N rows cross
+    devices, never a slot shard (a plain gather there would reshard the arrays first).
+    """
+    take = lambda a, idx: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2)
+    if not slots_sharded():
+        return tuple(take(a, slots) for a in arrays)
+    layout = active_layout()
+    seq = layout.mesh_axis(Axis.SLOTS)
+    b, h, c = Axis.BATCH, Axis.KV_HEADS, Axis.SLOTS
+    spec = lambda x, slot: layout.spec(Names((b, h, c if slot else None) + (None,) * (x.ndim - 3)))
+
+    def local(slots, *arrays):
+        width = arrays[0].shape[2]
+        s = slots - jax.lax.axis_index(seq).astype(jnp.int32) * width
+        mine = (s >= 0) & (s < width)
+        s = jnp.clip(s, 0, width - 1)
+        rows = []
+        for a in arrays:
+            row = take(a, s)
+            rows.append(jnp.where(mine.reshape(mine.shape + (1,) * (a.ndim - 3)), row, 0))
+        return tuple(jax.lax.psum(r, seq) for r in rows)
+
+    return jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(spec(slots, False),) + tuple(spec(a, True) for a in arrays),
+        out_specs=tuple(spec(a, False) for a in arrays),
+        check_vma=False,
+    )(slots, *arrays)

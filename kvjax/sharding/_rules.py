@@ -75,7 +75,16 @@ class Layout:
         return dict(self.axes).get(axis) if axis is not None else None
 
     def spec(self, names: Names) -> PartitionSpec:
-        return PartitionSpec(*(self.mesh_axis(a) for a in names.axes))
+        """The PartitionSpec of an array named `names`, in the canonical form jitted functions
+        return their outputs in: a mesh axis of size 1 (it splits nothing) is None and trailing
+        Nones are dropped. Inputs placed by any other (equivalent) spec come back from a step
+        with this one, so feeding a step's cache back would miss its compiled executable and
+        compile again (docs/lab/2026-12-01-mesh-one-gpu.md)."""
+        axes = [self.mesh_axis(a) for a in names.axes]
+        axes = [a if a is not None and self.mesh.shape[a] > 1 else None for a in axes]
+        while axes and axes[-1] is None:
+            axes.pop()
+        return PartitionSpec(*axes)
 
     def sharding(self, names: Names) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names))

@@ -194,7 +194,8 @@ def test_core_refuses_bad_token_shapes(tiny_lm):
 
 def test_lm_on_a_mesh_generates_the_unsharded_tokens(tiny_lm):
     # The same LM placed on a 2x2 (data x model) mesh of the fake CPU devices: same tokens as the
-    # unsharded LM, params really split over `model`, and scoring on a mesh is refused clearly.
+    # unsharded LM, params really split over `model`; perplexity of two texts (rows split over
+    # `data`) within float32 summation order of the unsharded one.
     from kvjax.sharding import make_mesh
 
     mesh = make_mesh(data=2, model=2)
@@ -207,5 +208,9 @@ def test_lm_on_a_mesh_generates_the_unsharded_tokens(tiny_lm):
     assert got.tokens == want.tokens
     leaves = [x for x in jax.tree_util.tree_leaves(sharded.params) if x.ndim == 2]
     assert any(len({s.index for s in x.addressable_shards}) > 1 for x in leaves)
-    with pytest.raises(ValueError, match="mesh"):
-        sharded.ppl("some text", policy="window", budget=8)
+    texts = ["some text to score", "another, longer text to score here"]
+    ref = tiny_lm.ppl(texts, policy="window", budget=8, segment=16)
+    got = sharded.ppl(texts, policy="window", budget=8, segment=16)
+    np.testing.assert_allclose(got.ppl, ref.ppl, rtol=1e-5)
+    for g, r in zip(got.nll, ref.nll, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5)

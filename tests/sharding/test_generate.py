@@ -1,9 +1,11 @@
 """`generate(..., mesh=)` equals the unsharded run: every policy of the shared list on a 2x4
-(data x model) mesh, the all-tier QEvict on every mesh; the same greedy tokens, telemetry within
+(data x model) mesh, QEvict and one more policy engine on each other mesh (every pair with
+KVJAX_EVERY_MESH=1); the same greedy tokens, telemetry within
 float32 summation order, one compilation; and the decode logits within 1e-5."""
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,14 @@ import pytest
 from policy_cases import NAMES
 from sharding_cases import PROMPTS, mesh
 
-from kvjax.generate import GenerateConfig, generate, model_step, new_cache, prefill_cache
+from kvjax.generate import (
+    GenerateConfig,
+    Sampling,
+    generate,
+    model_step,
+    new_cache,
+    prefill_cache,
+)
 from kvjax.generate._sharded import _generate_on, layout_for
 from kvjax.generate._step import cache_spec_for
 from kvjax.sharding import TENSOR_PARALLEL, cache_shardings, shard_params, use_layout
@@ -51,10 +60,26 @@ def test_every_policy_on_2x4_matches_unsharded_and_compiles_once(model8, policy8
     assert _generate_on._cache_size() == before + 1
 
 
-@pytest.mark.parametrize("mesh_name", ["1x8", "4x2", "8x1"])
-def test_qevict_on_every_mesh_matches_unsharded(model8, policy8, mesh_name):
+# The other meshes: every (mesh, policy) pair is one compilation (~11 s CPU each on the
+# 2-core CI machine, 2026-12-01), 60 in all. CI runs QEvict (full precision, low-bit pages,
+# write-once ledger) on each and one more policy engine per mesh — CONF-KV's INT8 tier and
+# vocabulary-sharded confidence with the heads split 8 ways, KVpop's policy-owned scorer state,
+# SnapKV's prefill press with the batch split 8 ways — reusing the 2x4 test's unsharded
+# references; KVJAX_EVERY_MESH=1 runs every pair.
+_CI_PAIRS = {("1x8", "confkv-int8"), ("4x2", "kvpop"), ("8x1", "snapkv")}
+_CI_PAIRS |= {(m, "qevict") for m in ("1x8", "4x2", "8x1")}
+_PAIRS = [
+    (m, c)
+    for m in ("1x8", "4x2", "8x1")
+    for c in NAMES
+    if os.environ.get("KVJAX_EVERY_MESH") == "1" or (m, c) in _CI_PAIRS
+]
+
+
+@pytest.mark.parametrize(("mesh_name", "case"), _PAIRS)
+def test_policy_on_every_mesh_matches_unsharded(model8, policy8, mesh_name, case):
     config, params = model8
-    policy = policy8("qevict")  # full-precision, low-bit pages, write-once ledger
+    policy = policy8(case)
     got = generate(config, params, PROMPTS, policy=policy, gen=GEN, mesh=mesh(mesh_name))
     _assert_same(got, _reference(model8, policy))
 
@@ -106,3 +131,18 @@ def test_pallas_kernels_per_device_on_2x4_match_unsharded(model8, policy8, case)
     gen = dataclasses.replace(GEN, implementation="pallas")
     got = generate(config, params, PROMPTS, policy=policy, gen=gen, mesh=mesh("2x4"))
     _assert_same(got, _reference(model8, policy8(case)))
+
+
+def test_per_row_seeds_on_a_mesh_sample_the_unsharded_tokens(model8, policy8):
+    """Row i samples with key(seed[i]) on a mesh too (the seeds split with the rows)."""
+    config, params = model8
+    gen = dataclasses.replace(GEN, sampling=Sampling(temperature=1.0))
+    seeds = [11 * i + 3 for i in range(len(PROMPTS))]
+    policy = policy8("window")
+    ref = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=seeds)
+    got = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=seeds, mesh=mesh("2x4"))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    one = generate(config, params, PROMPTS, policy=policy, gen=gen, seed=3, mesh=mesh("2x4"))
+    assert not np.array_equal(np.asarray(one.tokens), np.asarray(got.tokens))  # seeds matter
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate(config, params, PROMPTS, policy=policy, gen=gen, seed=[1, 2], mesh=mesh("2x4"))

@@ -16,6 +16,7 @@ from kvjax.sharding import (
     CONTEXT_PARALLEL,
     TENSOR_PARALLEL,
     cache_shardings,
+    collectives,
     large_collectives,
     make_mesh,
 )
@@ -55,14 +56,16 @@ def test_tensor_parallel_step_moves_no_cache_data(policy8, case):
     assert collective_counts(text).get("all-reduce", 0) > 0  # attention / MLP outputs
 
 
-@pytest.mark.parametrize("case", ["window", "streaming"])
-def test_context_parallel_positional_step_communicates_no_cache_data(policy8, case):
-    """Positional policies write each token into the shard that owns its slot: nothing of the
-    cache crosses devices. (Ranked policies do move slot shards, and XLA CPU still copies the
-    written K/V shard locally on each device: docs/sharding.md, "Next".)"""
+@pytest.mark.parametrize("case", ["window", "streaming", "h2o"])
+def test_context_parallel_step_communicates_no_cache_data(policy8, case):
+    """Each device writes the tokens aimed at its own slots: nothing of the cache crosses
+    devices. H2O's ring token that moves to the ranked region is read where its slot lives and
+    merged by a psum of one row per head; only per-slot positions and scores travel."""
     text, big = _step_hlo(policy8(case, 65), make_mesh(model=2, seq=4), CONTEXT_PARALLEL, 1)
     assert big
     assert large_collectives(text, big) == []
+    if case == "h2o":  # the moved token: [B, Hkv/2, 1, D] rows, not a slot shard
+        assert ("all-reduce", "f32", (1, 4, 1, 16)) in collectives(text)
 
 
 def test_the_check_sees_a_gathered_cache(policy8):

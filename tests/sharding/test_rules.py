@@ -50,13 +50,14 @@ def test_megatron_split_of_a_llama_layer():
     layout = _layout(CONFIG8, mesh("2x4"))
     params = jax.eval_shape(lambda: init_params(CONFIG8, jax.random.key(0)))
     sh = param_shardings(params, layout)
-    spec = lambda s: tuple(s.spec)
+    # Specs are canonical (trailing Nones dropped, as jit returns them): pad to the rank.
+    spec = lambda s, ndim=2: tuple(s.spec) + (None,) * (ndim - len(s.spec))
     layer = sh.layers[0]
     assert spec(layer.wq) == spec(layer.wk) == (None, "model")  # column split (heads)
     assert spec(layer.wo) == ("model", None)  # row split: XLA all-reduces its output
     assert spec(layer.w_gate) == spec(layer.w_up) == (None, "model")
     assert spec(layer.w_down) == ("model", None)
-    assert spec(sh.embed) == ("model", None) and spec(layer.attn_norm) == (None,)
+    assert spec(sh.embed) == ("model", None) and spec(layer.attn_norm, 1) == (None,)
 
 
 def test_unknown_param_field_is_an_error():
