@@ -92,6 +92,11 @@ case "${1:-foundation}" in
           --out $OUT/mesh_${row}_${mesh%%=*}.json" || echo "row $row $mesh: exit $?"
       done
     done ;;
+  compile-scan)  # first-call seconds of the layer-scan decode loop (compile_times.py --stacked),
+    # Llama-3-8B shapes, float32 cache of 8K tokens at B=8 (kvpop's shipped scorer is SmolLM2's)
+    (cd /tmp && python3 "$OLDPWD/scripts/compile_times.py" --preset Llama-3-8B --budget 1638 \
+      --context 8192 --batch 8 --stacked --policy full window h2o confkv kivi qevict) \
+      | tee "$OUT/compile_scan.jsonl" ;;
   copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee "$OUT/copies.txt" ;;

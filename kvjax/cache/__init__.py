@@ -11,6 +11,15 @@ from kvjax.cache._bytes import (
     slots_to_bytes,
 )
 from kvjax.cache._ops import write_slots
+from kvjax.cache._stack import (
+    is_stacked,
+    layer_at,
+    num_layers,
+    put_layer,
+    stack_cache,
+    stack_trees,
+    unstack_cache,
+)
 from kvjax.cache._state import (
     EMPTY,
     Cache,
@@ -32,12 +41,19 @@ __all__ = [
     "LowBitTier",
     "attended_slots_per_layer",
     "init_cache",
+    "is_stacked",
+    "layer_at",
     "layer_slot_bytes",
     "live_bytes",
     "live_slots_per_layer",
     "lowbit_page_bytes",
+    "num_layers",
     "physical_bytes",
+    "put_layer",
     "slot_bytes_per_layer",
     "slots_to_bytes",
+    "stack_cache",
+    "stack_trees",
+    "unstack_cache",
     "write_slots",
 ]

@@ -232,12 +232,13 @@ class Cache:
     """The whole model's cache.
 
     Attributes:
-        layers: one LayerCache per layer.
+        layers: one LayerCache per layer, or one LayerCache whose arrays have a leading [L]
+            axis (a stacked cache, `kvjax.cache.stack_cache`: the step runs a layer scan).
         length: [B] int32 tokens consumed so far per sequence (the next position).
         policy_state: a pytree owned by the policy (e.g. a confidence-chosen budget).
     """
 
-    layers: tuple[LayerCache, ...]
+    layers: tuple[LayerCache, ...] | LayerCache
     length: Array
     policy_state: Any = None
 

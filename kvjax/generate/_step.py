@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import Implementation
-from kvjax.cache import Cache, CacheSpec
+from kvjax.cache import Cache, CacheSpec, is_stacked, layer_at, put_layer, stack_cache
 from kvjax.generate._fit import fit_policy
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
@@ -77,11 +77,35 @@ def model_step(
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
+    if is_stacked(cache):
+        layers = _write_scanned(policy, cache.layers, out, positions, valid, state)
+        new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
+        return out.logits, new_cache
     layers = policy.write_layers(
         cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
     )
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
+
+
+def _write_scanned(policy: Policy, layers, out, positions: Array, valid: Array, state):
+    """`policy.write` into every layer of a stacked cache in one `lax.scan`: layer i is sliced
+    out of the carried buffers, written, and put back in place (`put_layer`), with `layer_index`
+    a traced int32 (`Policy.scans_layers` says the write allows that)."""
+    if not policy.scans_layers():
+        raise ValueError(
+            f"policy {policy.name!r} with these settings writes each layer differently "
+            "(per-layer budgets); use a per-layer cache (no stack_cache) for it"
+        )
+
+    def body(layers, xs):
+        i, k, v, st = xs
+        new = policy.write(layer_at(layers, i), k, v, positions, valid, st, state, layer_index=i)
+        return put_layer(layers, new, i), None
+
+    n = layers.pos.shape[0]
+    xs = (jnp.arange(n, dtype=jnp.int32), out.k_new, out.v_new, out.stats)
+    return jax.lax.scan(body, layers, xs)[0]
 
 
 def cache_spec_for(
@@ -104,9 +128,33 @@ def cache_spec_for(
     )
 
 
-def new_cache(config: ModelConfig, policy: Policy, *, batch: int, max_len: int, dtype) -> Cache:
-    """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens."""
+def new_cache(
+    config: ModelConfig,
+    policy: Policy,
+    *,
+    batch: int,
+    max_len: int,
+    dtype,
+    stacked: bool = False,
+) -> Cache:
+    """An empty cache shaped for `policy` (all tiers) and sequences of at most `max_len` tokens.
+
+    With `stacked=True` the layers' buffers share one leading [L] axis and `model_step` runs a
+    layer scan over them (compiled once instead of once per layer; docs/compile.md).
+
+    Raises:
+        ValueError: `stacked=True` for a policy whose layers differ in shape or in how they
+            are written (per-layer budgets: pyramidkv, confkv with `pyramid`).
+    """
     policy = fit_policy(policy, config)
-    return policy.empty_cache(
+    cache = policy.empty_cache(
         cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
     )
+    if not stacked:
+        return cache
+    if not policy.scans_layers():
+        raise ValueError(
+            f"new_cache(stacked=True): policy {policy.name!r} with these settings writes each "
+            "layer differently (per-layer budgets); use stacked=False"
+        )
+    return stack_cache(cache)

@@ -18,6 +18,7 @@ from kvjax.models._params import (
     LlamaParams,
     Params,
     init_params,
+    stack_params,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "RopeScaling",
     "forward",
     "init_params",
+    "stack_params",
 ]

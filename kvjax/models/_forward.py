@@ -13,7 +13,7 @@ from flax import struct
 
 from kvjax._numerics import einsum_f32
 from kvjax.attention import AttnStats, Implementation, attend
-from kvjax.cache import Cache
+from kvjax.cache import Cache, is_stacked, stack_trees
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
 from kvjax.models._params import GPT2Params, LlamaParams, Params
@@ -29,6 +29,9 @@ class ForwardOutput:
     v_new: per layer [B, T, Hkv, D] values.
     stats: per layer AttnStats.
     q: per layer [B, T, Hq, D] queries after RoPE, only with `return_queries=True` (else None).
+
+    Over a stacked cache (`kvjax.cache.stack_cache`) each of k_new, v_new, stats and q is one
+    array (one AttnStats) with a leading [L] axis instead of a tuple.
     """
 
     logits: Array
@@ -59,7 +62,9 @@ def forward(
         tokens: [B, T] int32 token ids.
         positions: [B, T] int32 original positions.
         valid: [B, T] bool, real token (False = padding; it is neither attended nor cached).
-        cache: the cache, holding only tokens before these.
+        cache: the cache, holding only tokens before these. A stacked cache runs the layers
+            in a `lax.scan`; pass params stacked too (`stack_params`), else they are stacked
+            on every call.
         query_weight: [B, T] weight of each query in the attention mass (default: valid).
         implementation: attention implementation name.
         return_queries: also return each layer's queries (the KVpop teacher needs them).
@@ -68,61 +73,77 @@ def forward(
     attn = dict(query_weight=query_weight, implementation=implementation, need_mass=need_mass)
     run = _gpt2 if config.arch == Arch.GPT2 else _llama
     out, qs = run(config, params, tokens, positions, valid, cache, attn)
-    return out.replace(q=tuple(qs)) if return_queries else out
+    return out.replace(q=qs) if return_queries else out
 
 
 def _split_heads(x: Array, h: int, d: int) -> Array:
     return x.reshape(*x.shape[:-1], h, d)
 
 
-def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
+def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn):
+    """One Llama block: x [B, T, E] → (x, (q, k, v, stats))."""
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     rope = (config.rope_theta, config.rope_scaling)
+    h = rms_norm(x, lp.attn_norm, config.norm_eps)
+    q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
+    k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
+    v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
+    k = k.astype(layer_cache.k.dtype)
+    v = v.astype(layer_cache.v.dtype)
+    o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
+    x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
+    h = rms_norm(x, lp.mlp_norm, config.norm_eps)
+    gate = dense(h, lp.w_gate).astype(jnp.float32)
+    up = dense(h, lp.w_up).astype(jnp.float32)
+    x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
+    return x, (q, k, v, st)
+
+
+def _gpt2_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn):
+    """One GPT-2 block: x [B, T, E] → (x, (q, k, v, stats))."""
+    hq, d = config.num_heads, config.head_dim
+    h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
+    qkv = dense(h, lp.w_qkv, lp.b_qkv)
+    q, k, v = (_split_heads(a, hq, d) for a in jnp.split(qkv, 3, axis=-1))
+    k = k.astype(layer_cache.k.dtype)
+    v = v.astype(layer_cache.v.dtype)
+    o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
+    x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
+    h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
+    x = x + dense(gelu_tanh(dense(h, lp.w_fc, lp.b_fc)), lp.w_proj, lp.b_proj)
+    return x, (q, k, v, st)
+
+
+def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
+    """Every block in order: unrolled over a per-layer cache, a `lax.scan` over a stacked one
+    (its layer compiled once; the layer's cache is a slice of the scanned input, read only).
+    Returns x and (qs, ks, vs, stats): tuples per layer, or stacked [L, ...] arrays."""
+    run = lambda x, lp, lc: block(config, lp, lc, x, *args)  # args: positions, valid, attn
+    if not is_stacked(cache):
+        outs = []
+        for lp, lc in zip(param_layers, cache.layers, strict=True):
+            x, out = run(x, lp, lc)
+            outs.append(out)
+        return x, tuple(tuple(o) for o in zip(*outs, strict=True))
+    if isinstance(param_layers, tuple):  # per-layer params: stacked here, i.e. once per call
+        param_layers = stack_trees(param_layers, "the model's layer parameters")
+    return jax.lax.scan(lambda x, xs: run(x, *xs), x, (param_layers, cache.layers))
+
+
+def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
     x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
-    ks, vs, stats, qs = [], [], [], []
-    for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
-        h = rms_norm(x, lp.attn_norm, config.norm_eps)
-        q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
-        k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
-        v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
-        k = k.astype(layer_cache.k.dtype)
-        v = v.astype(layer_cache.v.dtype)
-        o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
-        x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
-        h = rms_norm(x, lp.mlp_norm, config.norm_eps)
-        gate = dense(h, lp.w_gate).astype(jnp.float32)
-        up = dense(h, lp.w_up).astype(jnp.float32)
-        x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
-        qs.append(q)
-        ks.append(k)
-        vs.append(v)
-        stats.append(st)
+    args = (positions, valid, attn)
+    x, (qs, ks, vs, stats) = _layers(config, _llama_layer, p.layers, cache, x, args)
     x = rms_norm(x, p.final_norm, config.norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
     logits = einsum_f32("bte,ev->btv", x, head)
-    out = ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
-    return out, qs
+    return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs
 
 
 def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, attn):
-    hq, d = config.num_heads, config.head_dim
     x = jnp.take(p.wte, tokens, axis=0) + jnp.take(p.wpe, positions, axis=0)
-    ks, vs, stats, qs = [], [], [], []
-    for lp, layer_cache in zip(p.layers, cache.layers, strict=True):
-        h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
-        qkv = dense(h, lp.w_qkv, lp.b_qkv)
-        q, k, v = (_split_heads(a, hq, d) for a in jnp.split(qkv, 3, axis=-1))
-        k = k.astype(layer_cache.k.dtype)
-        v = v.astype(layer_cache.v.dtype)
-        o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
-        x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
-        h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
-        x = x + dense(gelu_tanh(dense(h, lp.w_fc, lp.b_fc)), lp.w_proj, lp.b_proj)
-        qs.append(q)
-        ks.append(k)
-        vs.append(v)
-        stats.append(st)
+    args = (positions, valid, attn)
+    x, (qs, ks, vs, stats) = _layers(config, _gpt2_layer, p.layers, cache, x, args)
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
     logits = einsum_f32("bte,ve->btv", x, p.wte)
-    out = ForwardOutput(logits=logits, k_new=tuple(ks), v_new=tuple(vs), stats=tuple(stats))
-    return out, qs
+    return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs

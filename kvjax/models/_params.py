@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.cache import stack_trees
 from kvjax.models._config import Arch, ModelConfig
 
 Array = jax.Array
@@ -123,3 +124,15 @@ def init_params(config: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
     return LlamaParams(
         embed=w(config.vocab_size, e), layers=layers, final_norm=norm(e), lm_head=head
     )
+
+
+def stack_params(params: Params) -> Params:
+    """The parameters with their layers stacked along a leading [L] axis (one copy of the layer
+    weights; do it once, outside the loop), the form a layer scan over a stacked cache reads.
+
+    Raises:
+        ValueError: the layers differ in shape.
+    """
+    if not isinstance(params.layers, tuple):
+        return params
+    return params.replace(layers=stack_trees(params.layers, "the model's layer parameters"))

@@ -138,6 +138,12 @@ class Policy(abc.ABC):
             layer_index: which layer (for per-layer budgets).
         """
 
+    def scans_layers(self) -> bool:
+        """Whether every layer is written by the same function, `layer_index` only indexing
+        arrays (never a Python branch or a static size), so a layer scan may pass it as a
+        traced int32 (`kvjax.cache.stack_cache`). Per-layer budgets override this to False."""
+        return True
+
     def write_layers(
         self,
         layers: Sequence[LayerCache],

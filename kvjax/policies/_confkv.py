@@ -110,6 +110,9 @@ class ConfKVPolicy(RankedPolicy):
             )
         return 1.0 + self.pyramid * (1.0 - 2.0 * layer_index / (self.num_layers - 1))
 
+    def scans_layers(self) -> bool:
+        return self.pyramid == 0 or self.num_layers == 1
+
     def max_budget(self, layer_index: int) -> int:
         return max(1, round(self.budget * self._scale(layer_index)))
 

@@ -136,8 +136,11 @@ class KVpopPolicy(RankedPolicy):
         del state  # kvpop keeps no policy-wide state
         b, t, h, d = k_new.shape
         config, params = _scorer(str(resolve_scorer(self.scorer)))
-        if layer_index >= config.num_layers or (h, d) != (config.num_kv_heads, config.head_dim):
-            self._fit(max(layer_index + 1, config.num_layers), h, d)  # raises
+        # A layer scan passes layer_index traced (the scorer's layer count was checked when
+        # the cache was made, `init_layer_aux`).
+        deep = isinstance(layer_index, int) and layer_index >= config.num_layers
+        if deep or (h, d) != (config.num_kv_heads, config.head_dim):
+            self._fit(layer_index + 1 if deep else config.num_layers, h, d)  # raises
         p = layer_params(params, layer_index)
         if config.kind == ScorerKind.MLSTM and not config.delayed:
             # The immediate-read ablation: each token is scored right after its own update and

@@ -45,6 +45,9 @@ class PyramidKVPolicy(SnapKVPolicy):
     def _pyramid(self) -> bool:
         return self.num_layers > 1 and round(self.budget / self.beta) > self.window
 
+    def scans_layers(self) -> bool:
+        return not self._pyramid()
+
     def max_budget(self, layer_index: int) -> int:
         if not self._pyramid():
             return self.budget

@@ -209,7 +209,7 @@ class RankedPolicy(Policy):
         (layers[i] is layer first_layer + i)."""
         cur3 = pos_new[:, 0][:, None, None]
         b = pos_new.shape[0]
-        lis = range(first_layer, first_layer + len(layers))
+        lis = [first_layer + j for j in range(len(layers))]  # first_layer may be traced
         if not self.frozen_in_decode:
             scored = zip(layers, stats, lis, strict=True)
             layers = [self._scored(ly, st, cur3, state, li) for ly, st, li in scored]

@@ -111,8 +111,12 @@ def features(k: Array, v: Array) -> Array:
 
 
 def layer_params(params: Params, layer: int) -> Params:
-    """One layer's parameters (every leaf has leading [L, Hkv] axes)."""
-    return jax.tree.map(lambda a: a[layer], params)
+    """One layer's parameters (every leaf has leading [L, Hkv] axes); `layer` may be a traced
+    int32 scalar (a layer scan)."""
+    if isinstance(layer, int):
+        return jax.tree.map(lambda a: a[layer], params)
+    at = lambda a: jax.lax.dynamic_index_in_dim(jnp.asarray(a), layer, 0, keepdims=False)
+    return jax.tree.map(at, params)
 
 
 def _add(x: Array, bias: Array) -> Array:

@@ -10,19 +10,25 @@ import jax.numpy as jnp
 import pytest
 from policy_cases import build
 
+from kvjax.cache import stack_cache
 from kvjax.eval._bench import _decode, _policy_only, cache_sized_shapes, hlo_copies
 from kvjax.generate import new_cache
-from kvjax.models import Arch, ModelConfig, init_params
+from kvjax.models import Arch, ModelConfig, init_params, stack_params
 
 
-def cache_copies(policy, config, *, model: bool = False) -> list[str]:
+def cache_copies(policy, config, *, model: bool = False, stacked: bool = False) -> list[str]:
     """Copies of cache-sized arrays in the compiled loop of policy writes alone, or (model) of
-    whole model decode steps."""
+    whole model decode steps; `stacked`: a layer scan over a stacked cache, where a copy of one
+    layer's slice or of the whole stack counts."""
     cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
     big = cache_sized_shapes(cache, config.head_dim)
     assert big, "the case has no cache-sized arrays to check"
+    if stacked:
+        big |= {(config.num_layers, *s) for s in big}
+        cache = stack_cache(cache)
     if model:
         params = init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
+        params = stack_params(params) if stacked else params
         tok = jnp.zeros((2,), jnp.int32)
         lowered = _decode.lower(config, policy, 3, "xla", params, cache, tok)
     else:
@@ -46,6 +52,14 @@ def test_model_decode_step_copies_no_cache_sized_array(case):
     # Attention reads the cache and the policy then writes into it, in one jitted step.
     policy = build(case, 200)
     assert cache_copies(policy, ModelConfig(**CONFIG), model=True) == []
+
+
+@pytest.mark.parametrize("case", ["full", "h2o", "confkv-int8", "kivi", "qevict"])
+def test_layer_scan_decode_step_copies_no_cache_sized_array(case):
+    # Two layers in a lax.scan: each is sliced out of the carried stack, read by attention,
+    # written by the policy and put back; XLA must do all of it in place.
+    config = ModelConfig(**{**CONFIG, "num_layers": 2})
+    assert cache_copies(build(case, 200), config, model=True, stacked=True) == []
 
 
 def test_cache_sized_shapes_are_the_big_kv_arrays_not_the_ring():

@@ -1,0 +1,83 @@
+"""A stacked cache: every layer's buffers along one leading layer axis, for a layer loop.
+
+`Cache.layers` is either a tuple of LayerCache (one per layer, the unrolled step) or one
+LayerCache whose every array has a leading [L] axis (a *stacked* cache). A model step over a
+stacked cache runs its layers in a `lax.scan` that slices layer i out of the carried buffers and
+writes it back with `dynamic_update_slice`; XLA keeps that in place (no copy of a layer's
+buffers: `tests/policies/test_in_place.py`), and the step compiles its layer once, not L times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from kvjax.cache._state import Cache, LayerCache
+
+Array = jax.Array
+
+
+def is_stacked(cache: Cache) -> bool:
+    """Whether `cache.layers` is one LayerCache with a leading layer axis."""
+    return isinstance(cache.layers, LayerCache)
+
+
+def num_layers(cache: Cache) -> int:
+    """L, for a stacked or a per-layer cache."""
+    if is_stacked(cache):
+        return cache.layers.pos.shape[0]
+    return len(cache.layers)
+
+
+def stack_trees(trees: Any, what: str) -> Any:
+    """Pytrees of equal structure and shapes stacked leaf by leaf along a new leading axis.
+
+    Raises:
+        ValueError: the trees differ in structure, shape or dtype (e.g. per-layer capacities).
+    """
+    trees = tuple(trees)
+    first = jax.tree.structure(trees[0])
+    shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), t) for t in trees]
+    for i, (t, s) in enumerate(zip(trees, shapes, strict=True)):
+        if jax.tree.structure(t) != first or s != shapes[0]:
+            raise ValueError(
+                f"cannot stack {what}: layer {i} differs from layer 0 in structure or shape "
+                "(per-layer capacities or budgets); a layer scan needs layers of one shape"
+            )
+    return jax.tree.map(lambda *a: jax.numpy.stack(a), *trees)
+
+
+def stack_cache(cache: Cache) -> Cache:
+    """The cache with its layers stacked along a leading [L] axis (a copy: call it once, when
+    the cache is made, never per step).
+
+    Raises:
+        ValueError: the layers differ in shape (per-layer capacities).
+    """
+    if is_stacked(cache):
+        return cache
+    return cache.replace(layers=stack_trees(cache.layers, "the cache's layers"))
+
+
+def unstack_cache(cache: Cache) -> Cache:
+    """The per-layer (tuple) form of a stacked cache."""
+    if not is_stacked(cache):
+        return cache
+    n = num_layers(cache)
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], cache.layers) for i in range(n))
+    return cache.replace(layers=layers)
+
+
+def layer_at(stacked: Any, i: Array) -> Any:
+    """Layer i (a traced int32 scalar) of a stacked pytree."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
+
+
+def put_layer(stacked: Any, layer: Any, i: Array) -> Any:
+    """The stacked pytree with layer i replaced by `layer` (in place on a dead carry)."""
+    return jax.tree.map(
+        lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0),
+        stacked,
+        layer,
+    )
