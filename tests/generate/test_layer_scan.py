@@ -38,7 +38,7 @@ def _run(config, policy, params, cache, tokens):
     return jnp.concatenate([jnp.stack(outs, 1), jnp.swapaxes(dec, 0, 1)], 1), cache
 
 
-CASES = ["full", "h2o", "confkv-int8", "kivi", "qevict", "kvpop"]  # one per write path
+CASES = ["h2o", "confkv-int8", "qevict", "kvpop"]  # ranked, tiered INT8, low-bit routing, scorer
 
 
 @pytest.mark.parametrize("case", CASES)
