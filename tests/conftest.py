@@ -1,16 +1,37 @@
 """Strict JAX settings for every test, and shared fixtures.
 
-Eight fake CPU devices (the meshes of tests/sharding), rank promotion raises, dtype promotion
+Eight fake CPU devices (the meshes of tests/sharding), XLA's CPU backend compiling at LLVM -O0
+(children such as notebook kernels inherit it), rank promotion raises, dtype promotion
 strict, and CPU computations run inline rather than dispatched asynchronously: the Pallas TPU
 interpreter's callbacks run jitted code inside a running computation, and with async dispatch
 that nested call can wait forever for a slot held by work queued behind it (docs/decisions.md).
+
+One persistent compilation cache per test run: a fresh temporary directory made by the first
+process (the xdist controller; its workers inherit the variable) and removed when that process
+exits. An executable compiled by one test module is loaded, not compiled again, by a later
+module or the other worker (the compile caches in memory are dropped after every module). It
+starts empty on every run, so nothing carries over between runs.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0 for the CPU executables: the tests' programs are tiny and each is compiled once or
+# a few times, so LLVM's optimization passes were a third of their compile time
+# (docs/lab/2026-12-01-test-time.md). XLA's HLO passes, which the HLO checks read, are unchanged,
+# and fast math stays off (XLA's default).
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")  # tests compile afresh, write nothing
+if "KVJAX_TEST_XLA_CACHE" not in os.environ:
+    os.environ["KVJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="kvjax-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["KVJAX_TEST_XLA_CACHE"], ignore_errors=True)
+XLA_CACHE = os.environ["KVJAX_TEST_XLA_CACHE"]
+# In-process CLI runs (which turn the cache on for themselves) use the same directory.
+os.environ.setdefault("KVJAX_COMPILATION_CACHE", XLA_CACHE)
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
@@ -22,6 +43,17 @@ from hypothesis import settings  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def _use_test_compilation_cache():
+    """Every compile is written (threshold 0: the tiny models compile in well under a second)."""
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_use_test_compilation_cache()
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
@@ -39,6 +71,7 @@ def _release_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+    _use_test_compilation_cache()  # a CLI test may have turned it off or moved it
 
 
 @pytest.fixture(scope="session")
