@@ -10,7 +10,8 @@ One persistent compilation cache per test run: a fresh temporary directory made 
 process (the xdist controller; its workers inherit the variable) and removed when that process
 exits. An executable compiled by one test module is loaded, not compiled again, by a later
 module or the other worker (the compile caches in memory are dropped after every module). It
-starts empty on every run, so nothing carries over between runs.
+starts empty on every run, so nothing carries over between runs. KVJAX_TEST_XLA_CACHE=DIR uses
+(and keeps) DIR instead; KVJAX_TEST_XLA_CACHE=off turns the cache off.
 """
 
 import atexit
@@ -26,7 +27,7 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "KVJAX_TEST_XLA_CACHE" not in os.environ:
+if not os.environ.get("KVJAX_TEST_XLA_CACHE"):
     os.environ["KVJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="kvjax-test-xla-")
     atexit.register(shutil.rmtree, os.environ["KVJAX_TEST_XLA_CACHE"], ignore_errors=True)
 XLA_CACHE = os.environ["KVJAX_TEST_XLA_CACHE"]
@@ -46,7 +47,11 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def _use_test_compilation_cache():
-    """Every compile is written (threshold 0: the tiny models compile in well under a second)."""
+    """Every compile is written (threshold 0: the tiny models compile in well under a second).
+    KVJAX_TEST_XLA_CACHE=off runs without it (to measure what it saves)."""
+    if XLA_CACHE == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
