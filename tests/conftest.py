@@ -79,6 +79,25 @@ def _release_compiled_code():
     _use_test_compilation_cache()  # a CLI test may have turned it off or moved it
 
 
+@pytest.fixture(autouse=True)
+def _llvm_o2_for_real_model_tests(request, monkeypatch):
+    """The tests on the real model (the `smollm` fixture, or marked slow) run SmolLM2's 30 layers
+    over thousands of tokens: their time is running, not compiling, and at LLVM -O0 they cost a
+    third more CPU (docs/lab/2026-12-01-test-time.md). Their executables are compiled at -O2,
+    XLA's default, as a per-executable option (the one `jax.jit(compiler_options=)` sets)."""
+    if "smollm" in request.fixturenames or request.node.get_closest_marker("slow"):
+        from jax._src.interpreters import pxla
+
+        create = pxla.create_compile_options
+
+        def at_o2(computation, tuple_args, to_inputs, to_outputs, backend, devices, options):
+            options = {"xla_backend_optimization_level": 2} | dict(options)
+            return create(computation, tuple_args, to_inputs, to_outputs, backend, devices, options)
+
+        monkeypatch.setattr(pxla, "create_compile_options", at_o2)
+    yield
+
+
 @pytest.fixture(scope="session")
 def goldens() -> pathlib.Path:
     return GOLDENS
