@@ -44,7 +44,14 @@ def _max_pos(cache) -> jax.Array:
     return jnp.max(jnp.stack(out), axis=0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+# The tests compile at LLVM -O0 (tests/conftest.py); this loop runs 20K steps, so it is worth
+# LLVM's optimizations (-O2, XLA's default): less CPU in all (docs/lab/2026-12-01-test-time.md).
+@functools.partial(
+    jax.jit,
+    static_argnums=(0, 1),
+    donate_argnums=(4,),
+    compiler_options={"xla_backend_optimization_level": 2},
+)
 def _soak(config, policy, n, params, cache, key, logits):
     """n decode steps sampling from the model itself; returns the carry and accumulated flags:
     peak attended units [B, L, 3] (per unit, over steps), peak attended bytes [B] (per step),
