@@ -32,7 +32,11 @@ stamp=.venv/.kvjax-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing kvjax and its dependencies (a few minutes the first time)"
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
+  # setuptools warns on every editable install that a folder named like the package (our
+  # kvjax/, which IS the package) may shadow it; kvjax.train/eval/pallas_kernels resolve through
+  # its editable finder from any directory (tested), so that warning says nothing here.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -c 'import kvjax, jax, flax' || { echo "error: kvjax install failed" >&2; exit 1; }
   touch "$stamp"
 fi
