@@ -58,7 +58,7 @@ SMALLEST = {
     "confkv": 10,
     "confkv-int8": 11,
     "confkv-l": 19,
-    "qevict": 13,
+    "qevict": 12,  # current + sinks 2 + band 4 + window 4, then one low-bit page (bf16 stats)
     "kvpop": 7,
     "kvpop-mlp": 7,
 }
