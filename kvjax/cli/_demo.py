@@ -4,6 +4,8 @@ prompt with the full, window and streaming policies and compares them in one tab
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 
 from kvjax.cli._common import DTYPES, emit
 from kvjax.cli._generate import generate_text
@@ -77,10 +79,31 @@ def run(args: argparse.Namespace) -> int:
                     "text": tok.decode(new, skip_special=True).replace("\n", " ")[:70],
                 }
             )
-    emit(
-        rows,
-        as_json=args.json,
-        title=f"kvjax demo — {model.config.name or model.source}",
-        out=args.out,
-    )
+    title = f"kvjax demo — {model.config.name or model.source}"
+    if args.json:
+        emit(rows, as_json=True, title=title, out=args.out)
+        return 0
+    if args.out:  # the file gets the JSON rows either way
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    emit(demo_table(rows), as_json=False, title=title)
+    for r in rows:
+        print(f"{r['prompt']:>5} {r['policy']:>9}: {r['text']}")
     return 0
+
+
+def demo_table(rows: list[dict]) -> list[dict[str, str]]:
+    """The demo's rows as short text cells: 80 columns (a pipe, not a terminal) hold them whole;
+    the generated texts are printed below the table, one line each."""
+    return [
+        {
+            "prompt": r["prompt"],
+            "policy": r["policy"],
+            "budget": "-" if r["budget"] is None else str(r["budget"]),
+            "in/new": f"{r['prompt_tokens']}/{r['new_tokens']}",
+            "tok/s": f"{r['tokens_per_s']:.2f}",
+            "live MiB": f"{r['live_kv_KiB'] / 1024:.2f}",
+            "agree": f"{r['agree_with_full']:.3f}",
+            "diff at": "-" if r["first_diff"] < 0 else str(r["first_diff"]),
+        }
+        for r in rows
+    ]
