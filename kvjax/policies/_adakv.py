@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import CacheSpec
 from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._keyscored import KeyScoredPolicy
 from kvjax.policies._ranked import RankedPolicy
@@ -95,14 +94,11 @@ class AdaKVPolicy(Policy):
         return tuple(cached_tokens(self.max_budget(i)) for i in range(num_layers))
 
     def cache_spec(self, *, batch, num_layers, num_kv_heads, head_dim, max_len, dtype):
-        return CacheSpec(
-            batch=batch,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            capacities=self.capacities(num_layers, max_len),
-            dtype=dtype,
-            pooled=True,
-        )
+        spec = super().cache_spec(
+            batch=batch, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_len=max_len, dtype=dtype,
+        )  # fmt: skip
+        return dataclasses.replace(spec, pooled=True)
 
     def init_state(self, batch: int) -> Any:
         return self.press.init_state(batch)
