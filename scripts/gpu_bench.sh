@@ -186,5 +186,20 @@ case "${1:-foundation}" in
       esac
     done ;;
   stream) exec "$0" quality stream ;;  # `quality stream`: the long-stream evaluation
+  stream-par)  # the long-stream evaluation with POLICIES run at once, one process each sharing
+    # the GPU (no preallocation); JSON and a stderr log per policy straight under $OUT, so a
+    # run cut by its time limit still returns every finished policy and each one's last chunk
+    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
+    cat /tmp/parts/part_* > /tmp/smollm2.gguf
+    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    for pol in ${POLICIES:-window streaming h2o confkv qevict kvpop kivi full}; do
+      b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac
+      run stream --model /tmp/smollm2.gguf --policy "$pol" "${b[@]}" --tokens "${TOKENS:-204800}" \
+        --chunk 4096 --segment "${SEGMENT:-1024}" --max-full 8192 --cache-dtype bfloat16 \
+        --out "$OUT/stream_$pol.json" --json > /dev/null 2> "$OUT/stream_$pol.log" &
+    done
+    wait
+    grep -h "stream \[" "$OUT"/stream_*.log | tail -40 || true ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac
