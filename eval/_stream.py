@@ -80,11 +80,13 @@ def run_stream(
     max_full: int = 8192,
     cache_dtype=None,
     progress: bool = True,
+    on_chunk=None,
 ) -> list[StreamChunk]:
     """Perplexity per `chunk` tokens of `tokens` [N] through `policy`, one token per step.
 
     `full` stops at `max_full` tokens (its cache grows with the stream; the model's context).
-    Progress (one line per chunk) goes to stderr.
+    Progress (one line per chunk) goes to stderr; `on_chunk(rows)`, if given, is called with the
+    rows so far after each chunk (the CLI saves them, so a run cut short keeps what it measured).
     """
     if chunk < 1 or segment < 1 or chunk % segment:
         raise ValueError(f"chunk ({chunk}) must be a positive multiple of segment ({segment})")
@@ -136,6 +138,8 @@ def run_stream(
                     file=sys.stderr,
                     flush=True,
                 )
+            if on_chunk is not None:
+                on_chunk(list(rows))
             nll_c, live_c, t_c = [], [], 0.0
     return rows
 

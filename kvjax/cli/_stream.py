@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from kvjax.cli._common import DTYPES, add_model_args, add_policy_args, build_policy, emit, load
@@ -50,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
         build_policy(name, args)  # bad flags fail before the model loads
     model = load(args)
     tokens = stream_tokens(model, args.tokens + 1)
-    rows = []
+    rows: list = []
+
+    def save(mine: list) -> None:  # every finished chunk reaches --out at once
+        _write(args.out, rows + mine)
+
     for i, name in enumerate(args.policy):
         print(f"stream: policy {i + 1}/{len(args.policy)} {name}", file=sys.stderr, flush=True)
         policy = build_policy(name, args, model.config.num_layers)
@@ -63,16 +68,24 @@ def run(args: argparse.Namespace) -> int:
             segment=args.segment,
             max_full=args.max_full,
             cache_dtype=DTYPES[args.cache_dtype] if args.cache_dtype else None,
+            on_chunk=save if args.out else None,
         )
-    data = [dataclasses.asdict(r) for r in rows]
     if args.plot:
         title = f"{model.config.name}: {args.tokens} tokens of the essays, budget {args.budget}"
         plot_stream(rows, args.plot, title=title)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-    emit(data, as_json=args.json, title="perplexity per chunk")
+    _write(args.out, rows)
+    emit([dataclasses.asdict(r) for r in rows], as_json=args.json, title="perplexity per chunk")
     return 0
+
+
+def _write(path: str | None, rows: list) -> None:
+    """The rows so far as `--out` JSON (written whole, then renamed: never half a file)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _merge(args: argparse.Namespace, plot_stream) -> int:

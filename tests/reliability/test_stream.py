@@ -1,6 +1,8 @@
 """`kvjax stream` / run_stream at tiny sizes: per-chunk perplexity equals teacher-forced scoring
 through the same policy, memory stays flat for bounded policies, full stops at its limit."""
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -40,7 +42,18 @@ def test_stream_tokens_concatenates_and_loops(tiny_model):
 def test_chunk_ppl_equals_scoring_and_memory_stays_bounded(tiny_model, tmp_path, name, budget):
     tokens = np.random.default_rng(0).integers(0, 128, 97).astype(np.int32)
     policy = make_policy(name, budget)
-    rows = run_stream(tiny_model, policy, tokens, budget=budget, chunk=32, segment=16, max_full=64)
+    seen = []
+    rows = run_stream(
+        tiny_model,
+        policy,
+        tokens,
+        budget=budget,
+        chunk=32,
+        segment=16,
+        max_full=64,
+        on_chunk=seen.append,
+    )
+    assert seen == [rows[: i + 1] for i in range(len(rows))]  # each chunk reported as it ends
     nll = np.asarray(score_tokens(tiny_model.config, tiny_model.params, tokens, policy=policy).nll)[
         0
     ]
@@ -52,6 +65,32 @@ def test_chunk_ppl_equals_scoring_and_memory_stays_bounded(tiny_model, tmp_path,
         assert max(r.live_bytes_peak for r in rows) == 2 * 2 * budget * 2 * 16 * 4
     plot_stream(rows, str(tmp_path / "s.png"), title="t")
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_stream_out_file_holds_the_rows_so_far(tiny_model, tmp_path):
+    from kvjax.cli._stream import _write
+
+    tokens = np.random.default_rng(1).integers(0, 128, 65).astype(np.int32)
+    out = tmp_path / "s.json"
+    saved = []
+
+    def save(rows):
+        _write(str(out), rows)
+        saved.append(json.loads(out.read_text()))
+
+    rows = run_stream(
+        tiny_model,
+        make_policy("window", 12),
+        tokens,
+        budget=12,
+        chunk=16,
+        segment=16,
+        on_chunk=save,
+    )
+    assert [len(s) for s in saved] == [1, 2, 3, 4]
+    # (as JSON text: the first chunk's ms_per_token is NaN, it only compiles)
+    assert json.dumps(saved[-1]) == json.dumps([dataclasses.asdict(r) for r in rows])
+    assert not (tmp_path / "s.json.tmp").exists()  # written whole, then renamed
 
 
 @pytest.mark.parametrize(
