@@ -10,6 +10,11 @@ Two kinds of policy:
   compresses once with the whole context in view (SnapKV from the context's last window), and
   its kept tokens move into the append-only cache.
 
+`adakv` over either kind pools each layer's budget: Hkv·(budget − 1) tokens go to the top scores
+over all the layer's KV heads (after each head's safeguard, `adakv_keep`), so heads keep unequal
+shares. The append-only cache is per head, each head's kept context a dense prefix, the layer
+sized to its largest share (the pool's bytes are the generate loop's; here the answers are).
+
 Batch 1 (as kvpress's pipeline). The timing covers every pass, the reconstruction included.
 """
 
@@ -33,6 +38,7 @@ from kvjax.policies import (
     FullPolicy,
     KVzipPolicy,
     Policy,
+    adakv_keep,
     cached_tokens,
     kvzip_scores,
     unrotate,
@@ -49,7 +55,8 @@ class Pressed:
     Attributes:
         cache: the append-only cache (kept context as a dense prefix, then `room` free slots).
         policy: the AppendPolicy that continues it (pass it to `generate_from_cache`).
-        kept: tokens kept per KV head of each layer.
+        kept: tokens kept per KV head of each layer (under adakv the layer's total over Hkv,
+            floored: heads keep unequal shares).
         seconds: wall time of the prefill and compression (every pass, device synchronized).
     """
 
@@ -77,7 +84,8 @@ def press_context(
 
     Args:
         config, params: the model.
-        policy: any full-precision policy; `kvzip`/`expected` are scored by their passes.
+        policy: any full-precision policy; `kvzip`/`expected` are scored by their passes;
+            `adakv` over any of them shares each layer's budget across its KV heads.
         context: the context's token ids (chat head included, question excluded).
         room: free slots left after the kept context (question + answer tokens).
         reconstruct: KVzip's first-chunk prompt ids (RECONSTRUCT_PROMPT tokenized);
@@ -85,45 +93,24 @@ def press_context(
         suffix: ids between that prompt and the repeated text (the chat's assistant head).
 
     Raises:
-        ValueError: empty context, room < 1, a tiered (INT8/low-bit) or pooled (adakv) policy,
-            or KVzip without its reconstruction prompt.
+        ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
+            its reconstruction prompt.
     """
     s = len(context)
     if s < 1 or room < 1:
         raise ValueError(f"press_context needs a context (got {s} tokens) and room >= 1")
-    if isinstance(policy, AdaKVPolicy):
-        raise ValueError("press mode keeps per-head slots; adakv's pooled cache is not supported")
     t0 = time.perf_counter()
     ids = jnp.asarray([list(context)], jnp.int32)
-    if isinstance(policy, PRESS_SCORED):
-        full, q, k_ctx = _full_prefill(config, params, ids, dtype)
-        if isinstance(policy, KVzipPolicy):
-            if not reconstruct:
-                raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
-            scores = _kvzip(
-                config,
-                params,
-                policy,
-                full,
-                list(context),
-                reconstruct,
-                reconstruct_next or reconstruct,
-                suffix,
-            )
+    press = policy.press if isinstance(policy, AdaKVPolicy) else policy
+    if isinstance(press, PRESS_SCORED):
+        full, scores = press_scores(
+            config, params, press, context, ids, reconstruct, reconstruct_next, suffix, dtype
+        )
+        n = min(cached_tokens(press.budget), s)
+        if isinstance(policy, AdaKVPolicy):
+            keep = [pooled_top_slots(sc, n, policy.safeguard(i)) for i, sc in enumerate(scores)]
         else:
-            scores = [
-                policy.scores(
-                    unrotate(qi, jnp.arange(s)[None], config.rope_theta),
-                    ly.k,
-                    ly.v,
-                    s,
-                    config.rope_theta,
-                )
-                for qi, ly in zip(q, full.layers, strict=True)
-            ]
-        del k_ctx
-        n = min(cached_tokens(policy.budget), s)
-        keep = [top_slots(sc, n) for sc in scores]
+            keep = [top_slots(sc, n) for sc in scores]
         layers = full.layers
     else:
         spec = cache_spec_for(config, policy, batch=1, max_len=s, dtype=dtype)
@@ -142,12 +129,15 @@ def press_context(
             jnp.asarray([s], jnp.int32),
         )
         layers = cache.layers
-        keep = [live_slots(ly.pos) for ly in layers]
-    cache, kept = _append_cache(config, layers, keep, room, s, dtype)
+        keep = [
+            live_slots(ly.pos) if ly.head is None else pool_slots(ly.pos, ly.head, ly.pool_heads)
+            for ly in layers
+        ]
+    cache, width, kept = _append_cache(config, layers, keep, room, s, dtype)
     jax.block_until_ready(cache)
     return Pressed(
         cache=cache,
-        policy=AppendPolicy(slots=tuple(k + room for k in kept)),
+        policy=AppendPolicy(slots=tuple(n + room for n in width)),
         kept=kept,
         seconds=time.perf_counter() - t0,
     )
@@ -160,6 +150,33 @@ def top_slots(scores: Array, n: int) -> Array:
     return jnp.sort(order, axis=-1)
 
 
+def pooled_top_slots(scores: Array, n: int, n_safe: int) -> Array:
+    """AdaKV's allocation of H·n slots over scores [B, H, S] (each head's top `n_safe` first,
+    then the top scores over all heads; `adakv_keep`): [B, H, m] each head's kept slots in
+    slot order, m = the largest share, -1 after a head's last."""
+    b, h, s = scores.shape
+    head = jnp.broadcast_to(jnp.repeat(jnp.arange(h, dtype=jnp.int32), s), (b, h * s))
+    everything = jnp.ones((b, h * s), bool)
+    keep = adakv_keep(
+        scores.reshape(b, h * s).astype(jnp.float32), head, ~everything, everything,
+        h, n_safe, h * n,
+    ).reshape(b, h, s)  # fmt: skip
+    m = int(jnp.max(jnp.sum(keep, axis=-1)))
+    slot = jnp.where(keep, jnp.arange(s, dtype=jnp.int32), s)
+    order = jnp.sort(slot, axis=-1)[..., :m]
+    return jnp.where(order < s, order, -1)
+
+
+def pool_slots(pos: Array, head: Array, heads: int) -> Array:
+    """A pooled layer's pos, head [B, 1, P] → [B, H, m] each KV head's pool slots ordered by
+    position, m = the largest share, -1 after a head's last."""
+    mine = (head == jnp.arange(heads, dtype=jnp.int32)[None, :, None]) & (pos >= 0)
+    m = int(jnp.max(jnp.sum(mine, axis=-1)))
+    key = jnp.where(mine, pos, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=-1, stable=True)[..., :m]
+    return jnp.where(jnp.take_along_axis(mine, order, -1), order, -1)
+
+
 def live_slots(pos: Array) -> Array:
     """[B, H, n] the occupied slots per KV head ordered by position, n = the most any head holds
     (heads holding fewer are padded with empty slots)."""
@@ -169,28 +186,59 @@ def live_slots(pos: Array) -> Array:
 
 
 def _append_cache(config, layers, keep, room, length, dtype):
-    kept = tuple(int(k.shape[-1]) for k in keep)
+    """The append-only cache: per layer, each head's kept slots `keep` [B, H, n] (-1 = none,
+    after the kept ones) as a dense prefix, then `room` free slots. A pooled layer's arrays
+    ([B, 1, P, ...]) are read for every head. Returns (cache, kept per KV head of each layer)."""
+    width = tuple(int(k.shape[-1]) for k in keep)
     spec = CacheSpec(
         batch=1,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        capacities=tuple(k + room for k in kept),
+        capacities=tuple(n + room for n in width),
         dtype=dtype,
     )
-    out = []
+    out, kept = [], []
     for ly, idx, empty in zip(layers, keep, init_cache(spec).layers, strict=True):
-        take = lambda a, idx=idx: jnp.take_along_axis(
-            a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2
-        )
+        h = idx.shape[1]
+        safe = jnp.maximum(idx, 0)
+
+        def take(a, safe=safe, h=h):
+            a = jnp.broadcast_to(a, (a.shape[0], h, *a.shape[2:]))
+            return jnp.take_along_axis(a, safe.reshape(safe.shape + (1,) * (a.ndim - 3)), 2)
+
         n = idx.shape[-1]
+        pos = jnp.where(idx >= 0, take(ly.pos), -1)
+        kept.append(int(jnp.sum(pos >= 0)) // h)
         out.append(
             empty.replace(
                 k=empty.k.at[:, :, :n].set(take(ly.k).astype(empty.k.dtype)),
                 v=empty.v.at[:, :, :n].set(take(ly.v).astype(empty.v.dtype)),
-                pos=empty.pos.at[:, :, :n].set(take(ly.pos)),
+                pos=empty.pos.at[:, :, :n].set(pos),
             )
         )
-    return Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32)), kept
+    cache = Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32))
+    return cache, width, tuple(kept)
+
+
+def press_scores(config, params, press, context, ids, reconstruct, later, suffix, dtype):
+    """The full cache of the context and a press-scored policy's scores, per layer
+    [1, Hkv, S] float32 (KVzip: its reconstruction passes; ExpectedAttention: the context's
+    queries)."""
+    s = len(context)
+    full, q, _ = _full_prefill(config, params, ids, dtype)
+    if isinstance(press, KVzipPolicy):
+        if not reconstruct:
+            raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
+        scores = _kvzip(
+            config, params, press, full, list(context), reconstruct, later or reconstruct, suffix
+        )
+        return full, scores
+    unrot = lambda qi: unrotate(qi, jnp.arange(s)[None], config.rope_theta)
+    scores = [
+        press.scores(unrot(qi), ly.k, ly.v, s, config.rope_theta)
+        for qi, ly in zip(q, full.layers, strict=True)
+    ]
+    return full, scores
 
 
 def _full_prefill(config, params, ids, dtype):
