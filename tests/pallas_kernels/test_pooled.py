@@ -1,7 +1,7 @@
 """The pooled decode kernel (one slot pool shared by a layer's KV heads, `adakv`) against the
 float64 oracle on the same tokens in per-head slots, `attend`'s pallas path against its XLA path
 on a pool, and `generate` through adakv with pallas == xla. On CPU the kernel runs in the Pallas
-interpreter (`TestPooledKernelCompiled` reruns the kernel cases compiled on a GPU)."""
+interpreter (`TestPooledKernelInterpret`; `TestPooledKernel` compiles them, GPU only)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ CASES = [
 
 
 class TestPooledKernel:
-    INTERPRET = True
+    INTERPRET = False
 
     @pytest.fixture(autouse=True)
     def _needs_device(self):
@@ -124,8 +124,8 @@ class TestPooledKernel:
         assert np.all(np.isfinite(np.asarray(res.lse[:, 0])))
 
 
-class TestPooledKernelCompiled(TestPooledKernel):
-    INTERPRET = False
+class TestPooledKernelInterpret(TestPooledKernel):
+    INTERPRET = True
 
 
 def test_bad_pooled_input_is_named():
