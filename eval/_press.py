@@ -12,8 +12,8 @@ Two kinds of policy:
 
 `adakv` over either kind pools each layer's budget: Hkv·(budget − 1) tokens go to the top scores
 over all the layer's KV heads (after each head's safeguard, `adakv_keep`), so heads keep unequal
-shares. The append-only cache is per head, each head's kept context a dense prefix, the layer
-sized to its largest share (the pool's bytes are the generate loop's; here the answers are).
+shares, and the append-only cache is a pool too (`AppendPolicy(pooled=True)`): its bytes are the
+kept tokens' plus the room's, whatever the split (`_press_pool.py`).
 
 Batch 1 (as kvpress's pipeline). The timing covers every pass, the reconstruction included.
 """
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import Cache, CacheSpec, init_cache
+from kvjax.eval._press_pool import pool_append_cache, pool_slots, pooled_top_slots
 from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import (
@@ -38,7 +39,6 @@ from kvjax.policies import (
     FullPolicy,
     KVzipPolicy,
     Policy,
-    adakv_keep,
     cached_tokens,
     kvzip_scores,
     unrotate,
@@ -133,11 +133,16 @@ def press_context(
             live_slots(ly.pos) if ly.head is None else pool_slots(ly.pos, ly.head, ly.pool_heads)
             for ly in layers
         ]
-    cache, width, kept = _append_cache(config, layers, keep, room, s, dtype)
+    if isinstance(policy, AdaKVPolicy):
+        cache, slots, kept = pool_append_cache(config, layers, keep, room, s, dtype)
+        append = AppendPolicy(slots=slots, pooled=True)
+    else:
+        cache, width, kept = _append_cache(config, layers, keep, room, s, dtype)
+        append = AppendPolicy(slots=tuple(n + room for n in width))
     jax.block_until_ready(cache)
     return Pressed(
         cache=cache,
-        policy=AppendPolicy(slots=tuple(n + room for n in width)),
+        policy=append,
         kept=kept,
         seconds=time.perf_counter() - t0,
     )
@@ -150,33 +155,6 @@ def top_slots(scores: Array, n: int) -> Array:
     return jnp.sort(order, axis=-1)
 
 
-def pooled_top_slots(scores: Array, n: int, n_safe: int) -> Array:
-    """AdaKV's allocation of H·n slots over scores [B, H, S] (each head's top `n_safe` first,
-    then the top scores over all heads; `adakv_keep`): [B, H, m] each head's kept slots in
-    slot order, m = the largest share, -1 after a head's last."""
-    b, h, s = scores.shape
-    head = jnp.broadcast_to(jnp.repeat(jnp.arange(h, dtype=jnp.int32), s), (b, h * s))
-    everything = jnp.ones((b, h * s), bool)
-    keep = adakv_keep(
-        scores.reshape(b, h * s).astype(jnp.float32), head, ~everything, everything,
-        h, n_safe, h * n,
-    ).reshape(b, h, s)  # fmt: skip
-    m = int(jnp.max(jnp.sum(keep, axis=-1)))
-    slot = jnp.where(keep, jnp.arange(s, dtype=jnp.int32), s)
-    order = jnp.sort(slot, axis=-1)[..., :m]
-    return jnp.where(order < s, order, -1)
-
-
-def pool_slots(pos: Array, head: Array, heads: int) -> Array:
-    """A pooled layer's pos, head [B, 1, P] → [B, H, m] each KV head's pool slots ordered by
-    position, m = the largest share, -1 after a head's last."""
-    mine = (head == jnp.arange(heads, dtype=jnp.int32)[None, :, None]) & (pos >= 0)
-    m = int(jnp.max(jnp.sum(mine, axis=-1)))
-    key = jnp.where(mine, pos, jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(key, axis=-1, stable=True)[..., :m]
-    return jnp.where(jnp.take_along_axis(mine, order, -1), order, -1)
-
-
 def live_slots(pos: Array) -> Array:
     """[B, H, n] the occupied slots per KV head ordered by position, n = the most any head holds
     (heads holding fewer are padded with empty slots)."""
@@ -187,8 +165,8 @@ def live_slots(pos: Array) -> Array:
 
 def _append_cache(config, layers, keep, room, length, dtype):
     """The append-only cache: per layer, each head's kept slots `keep` [B, H, n] (-1 = none,
-    after the kept ones) as a dense prefix, then `room` free slots. A pooled layer's arrays
-    ([B, 1, P, ...]) are read for every head. Returns (cache, kept per KV head of each layer)."""
+    after the kept ones) as a dense prefix, then `room` free slots. Returns (cache, n per
+    layer, kept per KV head of each layer)."""
     width = tuple(int(k.shape[-1]) for k in keep)
     spec = CacheSpec(
         batch=1,
@@ -202,8 +180,7 @@ def _append_cache(config, layers, keep, room, length, dtype):
         h = idx.shape[1]
         safe = jnp.maximum(idx, 0)
 
-        def take(a, safe=safe, h=h):
-            a = jnp.broadcast_to(a, (a.shape[0], h, *a.shape[2:]))
+        def take(a, safe=safe):
             return jnp.take_along_axis(a, safe.reshape(safe.shape + (1,) * (a.ndim - 3)), 2)
 
         n = idx.shape[-1]
