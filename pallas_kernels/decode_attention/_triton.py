@@ -132,7 +132,8 @@ def _kernel(
         seen = ((pos >= 0) & (pos <= qpos))[None, :]
         if pool_group:  # the slot's owner against each row's KV head (padding rows own none)
             owner = plgpu.load(head_ref.at[rows], mask=inb, other=-1)
-            row_head = lax.broadcasted_iota(jnp.int32, (gp, block_k), 0) // pool_group
+            rows_i = lax.broadcasted_iota(jnp.int32, (gp, block_k), 0)
+            row_head = lax.div(rows_i, jnp.int32(pool_group))  # >= 0: truncation = floor
             seen = seen & (owner[None, :] == row_head)
         s = jnp.where(seen, s, -jnp.inf)
         if return_logits:
