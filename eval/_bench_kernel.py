@@ -6,6 +6,9 @@ call's query depends on the previous output, so none is hoisted), median of `rep
 Bytes read are the arrays each implementation must read once: K/V (codes), their scales and
 zeros, and (ours) the per-slot positions. The `copy` row is the ceiling: a device copy of the
 BF16 K/V bytes, its TB/s counting bytes read + written (so 2× bytes_read over its µs).
+The `pallas-bf16-pooled` rows hold the same tokens as `pallas-bf16` in one slot pool per
+sequence shared by the KV heads (adakv's layout), each head's slots shuffled through the pool;
+they read its K/V once plus a position and an owner id per slot.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_
 
 ROWS = (
     "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
-    "pallas-bf16", "pallas-bf16+logits", "pallas-int8", "pallas-int4", "pallas-int2",
+    "pallas-bf16", "pallas-bf16+logits", "pallas-bf16-pooled", "pallas-bf16-pooled+logits",
+    "pallas-int8", "pallas-int4", "pallas-int2",
     "pallas-int4-f32stats", "pallas-int2-f32stats",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8",
 )  # fmt: skip
@@ -126,7 +130,11 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     def ours(tier, logits=False, bits=None, mgpu=False):
         def fn(q, knobs):
             knobs = knobs or {}
-            if mgpu:
+            if isinstance(tier, da.PooledTier):
+                p = da.decode_attention_pooled_triton(
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
+                )
+            elif mgpu:
                 p = da.decode_attention_mgpu(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
@@ -144,6 +152,13 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
     full = da.FullTier(k, v, pos, extent)
     int8 = da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
+    # The same tokens in one pool a sequence: slot order shuffled, so heads interleave.
+    perm = jax.random.permutation(ks[2], hkv * s)
+    pooled = lambda x: x.reshape(b, 1, hkv * s, *x.shape[3:])[:, :, perm]
+    heads = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[:, None], (b, hkv, s))
+    pool = da.PooledTier(
+        pooled(k), pooled(v), pooled(pos), pooled(heads), jnp.full((b, 1), hkv * s, jnp.int32)
+    )
     cases = {
         "copy": (None, _nbytes(k, v)),  # timed by copy_bandwidth (bytes read + written)
         "cudnn-bf16": (nn_attn("cudnn", kt, vt), _nbytes(k, v)),
@@ -151,6 +166,8 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "xla-dequant-int8": (dequant_then_attend, _nbytes(k8, v8, k8s, v8s)),
         "pallas-bf16": (ours(full), _nbytes(k, v, pos)),
         "pallas-bf16+logits": (ours(full, logits=True), _nbytes(k, v, pos)),
+        "pallas-bf16-pooled": (ours(pool), _nbytes(k, v, pos, heads)),
+        "pallas-bf16-pooled+logits": (ours(pool, logits=True), _nbytes(k, v, pos, heads)),
         "pallas-int8": (ours(int8), _nbytes(k8, v8, k8s, v8s, pos)),
         "mgpu-bf16": (ours(full, mgpu=True), _nbytes(k, v, pos)),
         "mgpu-bf16+logits": (ours(full, logits=True, mgpu=True), _nbytes(k, v, pos)),

@@ -10,6 +10,11 @@ Two kinds of policy:
   compresses once with the whole context in view (SnapKV from the context's last window), and
   its kept tokens move into the append-only cache.
 
+`adakv` over either kind pools each layer's budget: Hkv·(budget − 1) tokens go to the top scores
+over all the layer's KV heads (after each head's safeguard, `adakv_keep`), so heads keep unequal
+shares, and the append-only cache is a pool too (`AppendPolicy(pooled=True)`): its bytes are the
+kept tokens' plus the room's, whatever the split (`_press_pool.py`).
+
 Batch 1 (as kvpress's pipeline). The timing covers every pass, the reconstruction included.
 """
 
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import Cache, CacheSpec, init_cache
+from kvjax.eval._press_pool import pool_append_cache, pool_slots, pooled_top_slots
 from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import (
@@ -49,7 +55,8 @@ class Pressed:
     Attributes:
         cache: the append-only cache (kept context as a dense prefix, then `room` free slots).
         policy: the AppendPolicy that continues it (pass it to `generate_from_cache`).
-        kept: tokens kept per KV head of each layer.
+        kept: tokens kept per KV head of each layer (under adakv the layer's total over Hkv,
+            floored: heads keep unequal shares).
         seconds: wall time of the prefill and compression (every pass, device synchronized).
     """
 
@@ -77,7 +84,8 @@ def press_context(
 
     Args:
         config, params: the model.
-        policy: any full-precision policy; `kvzip`/`expected` are scored by their passes.
+        policy: any full-precision policy; `kvzip`/`expected` are scored by their passes;
+            `adakv` over any of them shares each layer's budget across its KV heads.
         context: the context's token ids (chat head included, question excluded).
         room: free slots left after the kept context (question + answer tokens).
         reconstruct: KVzip's first-chunk prompt ids (RECONSTRUCT_PROMPT tokenized);
@@ -85,45 +93,24 @@ def press_context(
         suffix: ids between that prompt and the repeated text (the chat's assistant head).
 
     Raises:
-        ValueError: empty context, room < 1, a tiered (INT8/low-bit) or pooled (adakv) policy,
-            or KVzip without its reconstruction prompt.
+        ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
+            its reconstruction prompt.
     """
     s = len(context)
     if s < 1 or room < 1:
         raise ValueError(f"press_context needs a context (got {s} tokens) and room >= 1")
-    if isinstance(policy, AdaKVPolicy):
-        raise ValueError("press mode keeps per-head slots; adakv's pooled cache is not supported")
     t0 = time.perf_counter()
     ids = jnp.asarray([list(context)], jnp.int32)
-    if isinstance(policy, PRESS_SCORED):
-        full, q, k_ctx = _full_prefill(config, params, ids, dtype)
-        if isinstance(policy, KVzipPolicy):
-            if not reconstruct:
-                raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
-            scores = _kvzip(
-                config,
-                params,
-                policy,
-                full,
-                list(context),
-                reconstruct,
-                reconstruct_next or reconstruct,
-                suffix,
-            )
+    press = policy.press if isinstance(policy, AdaKVPolicy) else policy
+    if isinstance(press, PRESS_SCORED):
+        full, scores = press_scores(
+            config, params, press, context, ids, reconstruct, reconstruct_next, suffix, dtype
+        )
+        n = min(cached_tokens(press.budget), s)
+        if isinstance(policy, AdaKVPolicy):
+            keep = [pooled_top_slots(sc, n, policy.safeguard(i)) for i, sc in enumerate(scores)]
         else:
-            scores = [
-                policy.scores(
-                    unrotate(qi, jnp.arange(s)[None], config.rope_theta),
-                    ly.k,
-                    ly.v,
-                    s,
-                    config.rope_theta,
-                )
-                for qi, ly in zip(q, full.layers, strict=True)
-            ]
-        del k_ctx
-        n = min(cached_tokens(policy.budget), s)
-        keep = [top_slots(sc, n) for sc in scores]
+            keep = [top_slots(sc, n) for sc in scores]
         layers = full.layers
     else:
         spec = cache_spec_for(config, policy, batch=1, max_len=s, dtype=dtype)
@@ -142,12 +129,20 @@ def press_context(
             jnp.asarray([s], jnp.int32),
         )
         layers = cache.layers
-        keep = [live_slots(ly.pos) for ly in layers]
-    cache, kept = _append_cache(config, layers, keep, room, s, dtype)
+        keep = [
+            live_slots(ly.pos) if ly.head is None else pool_slots(ly.pos, ly.head, ly.pool_heads)
+            for ly in layers
+        ]
+    if isinstance(policy, AdaKVPolicy):
+        cache, slots, kept = pool_append_cache(config, layers, keep, room, s, dtype)
+        append = AppendPolicy(slots=slots, pooled=True)
+    else:
+        cache, width, kept = _append_cache(config, layers, keep, room, s, dtype)
+        append = AppendPolicy(slots=tuple(n + room for n in width))
     jax.block_until_ready(cache)
     return Pressed(
         cache=cache,
-        policy=AppendPolicy(slots=tuple(k + room for k in kept)),
+        policy=append,
         kept=kept,
         seconds=time.perf_counter() - t0,
     )
@@ -169,28 +164,58 @@ def live_slots(pos: Array) -> Array:
 
 
 def _append_cache(config, layers, keep, room, length, dtype):
-    kept = tuple(int(k.shape[-1]) for k in keep)
+    """The append-only cache: per layer, each head's kept slots `keep` [B, H, n] (-1 = none,
+    after the kept ones) as a dense prefix, then `room` free slots. Returns (cache, n per
+    layer, kept per KV head of each layer)."""
+    width = tuple(int(k.shape[-1]) for k in keep)
     spec = CacheSpec(
         batch=1,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        capacities=tuple(k + room for k in kept),
+        capacities=tuple(n + room for n in width),
         dtype=dtype,
     )
-    out = []
+    out, kept = [], []
     for ly, idx, empty in zip(layers, keep, init_cache(spec).layers, strict=True):
-        take = lambda a, idx=idx: jnp.take_along_axis(
-            a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2
-        )
+        h = idx.shape[1]
+        safe = jnp.maximum(idx, 0)
+
+        def take(a, safe=safe):
+            return jnp.take_along_axis(a, safe.reshape(safe.shape + (1,) * (a.ndim - 3)), 2)
+
         n = idx.shape[-1]
+        pos = jnp.where(idx >= 0, take(ly.pos), -1)
+        kept.append(int(jnp.sum(pos >= 0)) // h)
         out.append(
             empty.replace(
                 k=empty.k.at[:, :, :n].set(take(ly.k).astype(empty.k.dtype)),
                 v=empty.v.at[:, :, :n].set(take(ly.v).astype(empty.v.dtype)),
-                pos=empty.pos.at[:, :, :n].set(take(ly.pos)),
+                pos=empty.pos.at[:, :, :n].set(pos),
             )
         )
-    return Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32)), kept
+    cache = Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32))
+    return cache, width, tuple(kept)
+
+
+def press_scores(config, params, press, context, ids, reconstruct, later, suffix, dtype):
+    """The full cache of the context and a press-scored policy's scores, per layer
+    [1, Hkv, S] float32 (KVzip: its reconstruction passes; ExpectedAttention: the context's
+    queries)."""
+    s = len(context)
+    full, q, _ = _full_prefill(config, params, ids, dtype)
+    if isinstance(press, KVzipPolicy):
+        if not reconstruct:
+            raise ValueError("kvzip needs its reconstruction prompt ids (`reconstruct`)")
+        scores = _kvzip(
+            config, params, press, full, list(context), reconstruct, later or reconstruct, suffix
+        )
+        return full, scores
+    unrot = lambda qi: unrotate(qi, jnp.arange(s)[None], config.rope_theta)
+    scores = [
+        press.scores(unrot(qi), ly.k, ly.v, s, config.rope_theta)
+        for qi, ly in zip(q, full.layers, strict=True)
+    ]
+    return full, scores
 
 
 def _full_prefill(config, params, ids, dtype):

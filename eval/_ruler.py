@@ -88,7 +88,7 @@ def answer(
         policy,
         sample.context,
         room=len(sample.question) + max_new_tokens + 1,
-        **(kvzip_ids(model) if policy.name == "kvzip" else {}),
+        **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
     chunk = -(-len(sample.question) // 16) * 16
     gen = GenerateConfig(max_new_tokens=max_new_tokens, chunk_size=chunk)

@@ -52,7 +52,9 @@ def attend(
         scale: logit scale; default 1/sqrt(D).
         implementation: "xla" (plain jnp reference, always available), "pallas" (the
             Pallas decode kernels for T == 1 — Triton on GPU, Mosaic on TPU, the interpreter
-            on CPU — and the XLA path for T > 1), or "auto" (pallas on GPU/TPU, else xla).
+            on CPU — and the XLA path for T > 1; a pooled layer's kernel is Triton's only, so
+            a pool on a TPU or on a mesh takes the XLA path), or "auto" (pallas on GPU/TPU,
+            else xla).
         need_mass: whether the caller reads the attention mass; False lets the Pallas kernels
             skip the per-slot logits (the mass fields then hold zeros). XLA drops unused mass.
 
@@ -73,14 +75,17 @@ def attend(
         scale = d**-0.5
     implementation = resolve_implementation(implementation)
     args = (q, layer, k_new, v_new, q_pos, new_valid, query_weight)
-    # The Pallas decode kernels read per-head slots; a pooled layer (adakv) takes the XLA path.
-    if implementation == "pallas" and t == 1 and layer.head is None:
+    if implementation == "pallas" and t == 1:
         from kvjax.attention._pallas import attend_pallas, attend_pallas_sharded
+        from kvjax.pallas_kernels.decode_attention import default_backend
 
         layout = active_layout()  # a mesh: the kernels run per device under shard_map
-        if layout is not None:
+        if layer.head is None and layout is not None:
             return attend_pallas_sharded(layout, *args, scale=scale, need_mass=need_mass)
-        return attend_pallas(*args, scale=scale, need_mass=need_mass)
+        # A pooled layer (adakv) has a Triton kernel (GPU; the interpreter on CPU), not a TPU
+        # one, and is not sharded: those take the XLA path.
+        if layer.head is None or (layout is None and default_backend() != "tpu"):
+            return attend_pallas(*args, scale=scale, need_mass=need_mass)
     if implementation in ("xla", "pallas"):
         return attend_xla(*args, scale=scale)
     raise ValueError(

@@ -25,6 +25,7 @@ from kvjax.pallas_kernels.decode_attention import (
     Int8Tier,
     LowBitTier,
     Partials,
+    PooledTier,
     attention_mass,
     combine,
     decode_attention,
@@ -79,11 +80,14 @@ def attend_pallas(
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"attend_pallas is decode-only (T == 1), got T={t}")
-    hkv = layer.k.shape[1]
+    hkv = layer.num_kv_heads
     qg = q[:, 0].reshape(b, hkv, hq // hkv, d)
     qp = q_pos[:, 0]
     backend = default_backend()
-    full = FullTier(layer.k, layer.v, layer.pos, layer.live_extent())
+    if layer.head is not None:  # one pool read once for every head (`_triton_pooled.py`)
+        full = PooledTier(layer.k, layer.v, layer.pos, layer.head, _extent(layer.pos >= 0))
+    else:
+        full = FullTier(layer.k, layer.v, layer.pos, layer.live_extent())
     int8 = lowbit = None
     if layer.int8 is not None:
         t8 = layer.int8
@@ -125,11 +129,14 @@ def attend_pallas(
     tier_pos += [layer.lowbit.pos] if lowbit is not None else []
     if need_mass:
         masses = [
-            attention_mass(logits, lse, _visible(pos.reshape(b, hkv, -1), qp), w)
+            attention_mass(logits, lse, _visible(pos.reshape(b, pos.shape[1], -1), qp), w)
             for logits, pos in zip(res.logits, tier_pos, strict=True)
         ]
     else:
-        masses = [jnp.zeros((b, hkv, pos[0, 0].size), jnp.float32) for pos in tier_pos]
+        masses = [jnp.zeros((b, pos.shape[1], pos[0, 0].size), jnp.float32) for pos in tier_pos]
+    if layer.head is not None:  # each pool slot's mass from its own KV head: [B, 1, P]
+        own = layer.head == jnp.arange(hkv, dtype=jnp.int32)[None, :, None]  # [B, Hkv, P]
+        masses[0] = jnp.sum(jnp.where(own, masses[0], 0.0), axis=1, keepdims=True)
     stats = AttnStats(
         slot_mass=masses[0],
         new_mass=(jnp.sum(w_new, axis=2) * w[:, None])[..., None],

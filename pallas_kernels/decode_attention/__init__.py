@@ -2,8 +2,9 @@
 
 `decode_attention` runs every tier through its kernel and combines them; the per-backend kernels
 (`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_mgpu` (Mosaic
-GPU, full and INT8 tiers), `decode_attention_tpu`, `decode_attention_lowbit_tpu`) and the
-plain-jnp `decode_attention_reference` are public too.
+GPU, full and INT8 tiers), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
+`decode_attention_tpu`, `decode_attention_lowbit_tpu`) and the plain-jnp
+`decode_attention_reference` are public too.
 """
 
 from kvjax.pallas_kernels.decode_attention._api import (
@@ -16,11 +17,18 @@ from kvjax.pallas_kernels.decode_attention._api import (
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, Partials
+from kvjax.pallas_kernels.decode_attention._tiers import (
+    FullTier,
+    Int8Tier,
+    LowBitTier,
+    Partials,
+    PooledTier,
+)
 from kvjax.pallas_kernels.decode_attention._tpu import decode_attention_tpu
 from kvjax.pallas_kernels.decode_attention._tpu_lowbit import decode_attention_lowbit_tpu
 from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
 from kvjax.pallas_kernels.decode_attention._triton_lowbit import decode_attention_lowbit_triton
+from kvjax.pallas_kernels.decode_attention._triton_pooled import decode_attention_pooled_triton
 from kvjax.pallas_kernels.decode_attention._tuning import TUNINGS, Tuning, tuning_for
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "Int8Tier",
     "LowBitTier",
     "Partials",
+    "PooledTier",
     "Tuning",
     "attention_mass",
     "combine",
@@ -39,6 +48,7 @@ __all__ = [
     "decode_attention_lowbit_tpu",
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
+    "decode_attention_pooled_triton",
     "decode_attention_reference",
     "decode_attention_tpu",
     "decode_attention_triton",

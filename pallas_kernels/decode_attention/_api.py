@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 import jax
 
 from kvjax.pallas_kernels.decode_attention._combine import combine
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, PooledTier
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 
 Array = jax.Array
@@ -39,7 +39,7 @@ def decode_attention(
     q: Array,
     q_pos: Array,
     *,
-    full: FullTier,
+    full: FullTier | PooledTier,
     int8: Int8Tier | None = None,
     lowbit: LowBitTier | None = None,
     bits: int = 2,
@@ -64,7 +64,28 @@ def decode_attention(
         interpret: run the kernels in the Pallas interpreter (CPU).
         block_k: slots per loop step of every tier's kernel (default: tuned per device and tier).
         num_splits: splits per (sequence, KV head) (default: fill the chip).
+
+    A PooledTier as `full` (one slot pool shared by the KV heads) runs the pooled Triton kernel
+    (`decode_attention_pooled_triton`; GPU backends only, no other tier): its logits are
+    [B, Hkv, G, P], -inf on the slots other KV heads own.
     """
+    if isinstance(full, PooledTier):
+        if backend not in ("triton", "mosaic"):
+            raise ValueError(
+                f"decode attention: a PooledTier runs on the GPU backends, not {backend!r}"
+            )
+        if int8 is not None or lowbit is not None:
+            raise ValueError("decode attention: a PooledTier is the layer's only tier")
+        from kvjax.pallas_kernels.decode_attention._triton_pooled import (
+            decode_attention_pooled_triton,
+        )
+
+        part = decode_attention_pooled_triton(
+            q, full, q_pos, scale=scale, block_k=block_k, num_splits=num_splits,
+            return_logits=return_logits, interpret=interpret,
+        )  # fmt: skip
+        out, lse = combine([part])
+        return DecodeResult(out, lse, (part.logits,) if return_logits else ())
     if backend in ("triton", "mosaic"):
         from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton as dense
         from kvjax.pallas_kernels.decode_attention._triton_lowbit import (

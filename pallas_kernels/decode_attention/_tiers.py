@@ -31,6 +31,25 @@ class FullTier(NamedTuple):
     extent: Array
 
 
+class PooledTier(NamedTuple):
+    """Full-precision slots of ONE pool shared by a layer's KV heads (head-adaptive budgets):
+    each slot carries the KV head that owns it; a query head sees only its KV head's slots.
+
+    Attributes:
+        k: [B, 1, P, D] keys after RoPE (bfloat16, float16 or float32).
+        v: [B, 1, P, D] values, same dtype.
+        pos: [B, 1, P] int32 original positions; -1 marks an empty slot (anywhere).
+        head: [B, 1, P] int32 KV head owning each slot.
+        extent: [B, 1] int32, one past the last occupied slot of the pool.
+    """
+
+    k: Array
+    v: Array
+    pos: Array
+    head: Array
+    extent: Array
+
+
 class Int8Tier(NamedTuple):
     """Symmetric INT8 slots with one float32 scale per token and KV head.
 

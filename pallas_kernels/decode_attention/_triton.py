@@ -81,7 +81,8 @@ def _kernel(
     k_ref,  # [C, D] keys (float or int8 codes)
     v_ref,  # [C, D] values (float or int8 codes), or [C, D/4] int32 words of 4 codes (v_words)
     pos_ref,  # [C] int32, -1 = empty
-    *refs,  # INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D], lse_ref [Gp], logits_ref [Gp, C]?
+    *refs,  # pooled: head_ref [C] int32; INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D],
+    # lse_ref [Gp], logits_ref [Gp, C]?
     quantized: bool,
     int8_qk: bool,
     v_words: bool,
@@ -90,7 +91,12 @@ def _kernel(
     num_splits: int,
     group: int,
     return_logits: bool,
+    pool_group: int = 0,
 ):
+    # pool_group > 0: the slots are a pool shared by KV heads (`_triton_pooled.py`), q holds
+    # every query head, row r belongs to KV head r // pool_group and sees only that head's slots.
+    if pool_group:
+        head_ref, *refs = refs
     if quantized:
         ks_ref, vs_ref, *refs = refs
     o_ref, lse_ref, *logits_ref = refs
@@ -123,7 +129,13 @@ def _kernel(
             s = s * (plgpu.load(ks_ref.at[rows], mask=inb, other=0.0) * scale)[None, :]
         else:
             s = s * scale
-        s = jnp.where(((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
+        seen = ((pos >= 0) & (pos <= qpos))[None, :]
+        if pool_group:  # the slot's owner against each row's KV head (padding rows own none)
+            owner = plgpu.load(head_ref.at[rows], mask=inb, other=-1)
+            rows_i = lax.broadcasted_iota(jnp.int32, (gp, block_k), 0)
+            row_head = lax.div(rows_i, jnp.int32(pool_group))  # >= 0: truncation = floor
+            seen = seen & (owner[None, :] == row_head)
+        s = jnp.where(seen, s, -jnp.inf)
         if return_logits:
             store_rows(logits_ref[0], s, group, rows, inb)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))

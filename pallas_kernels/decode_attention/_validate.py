@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, PooledTier
 
 Array = jax.Array
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -60,6 +60,23 @@ def check_dense(tier, q) -> None:
         if tier.k.dtype != tier.v.dtype:
             _fail(name, f"k ({tier.k.dtype}) and v ({tier.v.dtype}) differ in dtype")
     _expect(f"{name}.extent", tier.extent, (b, hkv), (jnp.int32,))
+
+
+def check_pooled(tier, q) -> None:
+    """A PooledTier against q [B, Hkv, G, D] (its arrays have a head axis of 1)."""
+    b, _, _, d = q.shape
+    if not isinstance(tier, PooledTier):
+        _fail("tier", f"must be a PooledTier, got {type(tier).__name__}")
+    if getattr(tier.pos, "ndim", None) != 3:
+        _fail("PooledTier.pos", f"must be [B, 1, P], got {getattr(tier.pos, 'shape', None)}")
+    cap = tier.pos.shape[-1]
+    for f in ("pos", "head"):
+        _expect(f"PooledTier.{f}", getattr(tier, f), (b, 1, cap), (jnp.int32,))
+    for f in ("k", "v"):
+        _expect(f"PooledTier.{f}", getattr(tier, f), (b, 1, cap, d), _FLOATS)
+    if tier.k.dtype != tier.v.dtype:
+        _fail("PooledTier", f"k ({tier.k.dtype}) and v ({tier.v.dtype}) differ in dtype")
+    _expect("PooledTier.extent", tier.extent, (b, 1), (jnp.int32,))
 
 
 def check_lowbit(tier, q, bits: int) -> None:

@@ -85,6 +85,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     from kvjax.eval._bench_kernel import bench_kernel
 
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
+    rows += ("pallas-bf16-pooled",)
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -112,8 +113,11 @@ def test_bench_kernel_rows_bytes_and_errors():
     stats = 2 * 2 * (4 * 64 + 64 * 2)
     assert res["pallas-int4"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
     assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
+    # The pool holds the same slots: K/V, then an int32 position and owner id per slot.
+    assert res["pallas-bf16-pooled"].bytes_read == bf16 + 2 * (2 * 64 * 4)
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
+        assert "Error" in res["pallas-bf16-pooled"].error
 
 
 @pytest.mark.parametrize(

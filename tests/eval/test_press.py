@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.eval import press_context
-from kvjax.eval._press import top_slots
+from kvjax.eval._press import press_scores, top_slots
 from kvjax.generate import GenerateConfig, generate, generate_from_cache
 from kvjax.policies import (
     cached_tokens,
@@ -163,9 +163,108 @@ def test_press_rejects_bad_input(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="tiered"):
         press_context(config, params, make_policy("confkv", 300), CONTEXT, room=4)
-    with pytest.raises(ValueError, match="adakv's pooled cache"):
-        press_context(config, params, make_policy("adakv", 64), CONTEXT, room=4)
+    with pytest.raises(ValueError, match="reconstruction prompt"):
+        press_context(config, params, make_policy("adakv", 16, press="kvzip"), CONTEXT, room=4)
     with pytest.raises(ValueError, match="reconstruction prompt"):
         press_context(config, params, make_policy("kvzip", 16), CONTEXT, room=4)
     with pytest.raises(ValueError, match="room >= 1"):
         press_context(config, params, make_policy("h2o", 16), CONTEXT, room=0)
+
+
+def np_adakv(scores, n, n_safe):
+    """AdaKV's allocation written out: each head's own top n_safe, then the top scores left over
+    all heads (ties: the lower head, then the lower slot) until the layer holds H·n."""
+    h, s = scores.shape
+    kept = set()
+    for hh in range(h):
+        order = sorted(range(s), key=lambda i: (-scores[hh, i], i))
+        kept |= {(hh, i) for i in order[:n_safe]}
+    rest = sorted(
+        ((hh, i) for hh in range(h) for i in range(s) if (hh, i) not in kept),
+        key=lambda c: (-scores[c], c[0] * s + c[1]),
+    )
+    return kept | set(rest[: h * n - len(kept)])
+
+
+def _held(cache):
+    """Per layer the set of (KV head, position) a cache holds (per-head slots or a pool)."""
+    out = []
+    for ly in cache.layers:
+        pos = np.asarray(ly.pos[0])
+        if ly.head is not None:
+            head = np.asarray(ly.head[0, 0])
+            out.append({(int(h), int(p)) for h, p in zip(head, pos[0], strict=True) if p >= 0})
+        else:
+            out.append({(h, int(p)) for h in range(pos.shape[0]) for p in pos[h] if p >= 0})
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_adakv_over_a_press_scored_policy_equals_numpy(tiny_llama, alpha):
+    config, params = tiny_llama
+    budget = 9
+    policy = make_policy("adakv", budget, press="expected", n_sink=2, alpha_safeguard=alpha)
+    pressed = press_context(config, params, policy, CONTEXT, room=12)
+    ids = jnp.asarray([CONTEXT], jnp.int32)
+    _, scores = press_scores(config, params, policy.press, CONTEXT, ids, (), (), (), jnp.float32)
+    n = cached_tokens(budget)
+    h = config.num_kv_heads
+    before = _held(pressed.cache)
+    for got, sc in zip(before, scores, strict=True):
+        assert got == np_adakv(np.asarray(sc[0]), n, int(n * alpha))
+    assert pressed.kept == (n,) * config.num_layers  # H·n a layer, n per head on average
+    shares = [sorted(sum(hh == x for hh, _ in got) for x in range(h)) for got in before]
+    assert any(s[0] != s[-1] for s in shares)  # the heads' shares differ: the budget is pooled
+    # the pool holds the kept tokens and the room: its bytes, whatever the shares
+    for ly in pressed.cache.layers:
+        assert ly.k.nbytes + ly.v.nbytes == h * (n + 12) * 2 * config.head_dim * 4
+    # the question and the answer append after the pooled context, which stays
+    answer, cache = _answer_after(tiny_llama, pressed, QUESTION, 4)
+    s = len(CONTEXT)
+    new = {(hh, p) for hh in range(h) for p in range(s, s + len(QUESTION) + len(answer))}
+    assert _held(cache) == [ctx | new for ctx in before]
+
+
+def test_adakv_streamed_once_keeps_the_pool(tiny_llama):
+    """adakv over SnapKV, the context as one chunk through the pool: α = 1 keeps what SnapKV
+    keeps per head; α = 0.2 keeps H·n a layer in unequal shares."""
+    config, params = tiny_llama
+    kw = {"window": 3, "observation": 4, "pool": 3}
+    base = press_context(config, params, make_policy("snapkv", 9, **kw), CONTEXT, room=4)
+    same = press_context(config, params, make_policy("adakv", 9, alpha_safeguard=1.0, **kw),
+                         CONTEXT, room=4)  # fmt: skip
+    assert _held(same.cache) == _held(base.cache)
+    pooled = press_context(config, params, make_policy("adakv", 9, **kw), CONTEXT, room=4)
+    n, h = cached_tokens(9), config.num_kv_heads
+    assert pooled.kept == (n,) * config.num_layers
+    assert pooled.policy.pooled and pooled.policy.slots == (n + 4,) * config.num_layers
+    for ly, got in zip(pooled.cache.layers, _held(pooled.cache), strict=True):
+        assert len(got) == h * n and all(p < len(CONTEXT) for _, p in got)
+        assert ly.pos.shape == (1, 1, h * (n + 4))
+
+
+def test_pooled_append_fills_the_pool_prefix_one_slot_per_head():
+    """AppendPolicy(pooled=True): token t's head h goes to slot live + rank(t)·H + h; padding
+    takes no slot, the token past the pool is not cached, the context prefix is untouched."""
+    from kvjax.cache import CacheSpec, init_cache
+    from kvjax.policies import AppendPolicy
+
+    h, d, c = 2, 4, 3  # a pool of 6 slots, 3 held
+    spec = CacheSpec(batch=1, num_kv_heads=h, head_dim=d, capacities=(c,), dtype=jnp.float32,
+                     pooled=True)  # fmt: skip
+    ly = init_cache(spec).layers[0]
+    ly = ly.replace(pos=ly.pos.at[0, 0, :3].set(jnp.asarray([4, 1, 7])),
+                    head=ly.head.at[0, 0, :3].set(jnp.asarray([1, 0, 1])))  # fmt: skip
+    rng = np.random.default_rng(0)
+    k_new = jnp.asarray(rng.standard_normal((1, 3, h, d)), jnp.float32)
+    pos_new = jnp.asarray([[8, 9, 10]], jnp.int32)
+    valid = jnp.asarray([[True, False, True]])
+    out = AppendPolicy(slots=(c,), pooled=True).write(
+        ly, k_new, 2 * k_new, pos_new, valid, None, None, layer_index=0
+    )
+    assert np.asarray(out.pos[0, 0]).tolist() == [4, 1, 7, 8, 8, 10]
+    assert np.asarray(out.head[0, 0]).tolist() == [1, 0, 1, 0, 1, 0]
+    want = np.zeros((6, d), np.float32)
+    want[3], want[4], want[5] = k_new[0, 0, 0], k_new[0, 0, 1], k_new[0, 2, 0]
+    np.testing.assert_array_equal(np.asarray(out.k[0, 0]), want)
+    np.testing.assert_array_equal(np.asarray(out.v[0, 0]), 2 * want)

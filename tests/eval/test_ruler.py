@@ -122,9 +122,10 @@ def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
             return tok.apply_chat_template(messages)
 
     model = LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
-    rows = run_ruler(model, ["full", "snapkv", "kvzip"], tasks=["niah_single_1"], lengths=[300],
+    names = ["full", "snapkv", "kvzip", "adakv"]
+    rows = run_ruler(model, names, tasks=["niah_single_1"], lengths=[300],
                      ratios=[0.5], samples=1, max_new_tokens=4)  # fmt: skip
-    assert [(r.policy, r.ratio) for r in rows] == [("full", 0.0), ("snapkv", 0.5), ("kvzip", 0.5)]
+    assert [(r.policy, r.ratio) for r in rows] == [("full", 0.0)] + [(n, 0.5) for n in names[1:]]
     sample = build_sample(model.tokenizer, "niah_single_1", 300, 0)
     for r in rows:
         assert r.score == string_match_all(r.answers, [sample.answers])
@@ -133,4 +134,4 @@ def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
     j, png = write_ruler_outputs(rows, str(tmp_path), {"model": "tiny", "lengths": [300]})
     assert json.loads(pathlib.Path(j).read_text())["rows"][1]["policy"] == "snapkv"
     assert pathlib.Path(png).read_bytes()[:4] == b"\x89PNG"
-    assert [s["policy"] for s in ruler_summary(rows)] == ["full", "snapkv", "kvzip"]
+    assert [s["policy"] for s in ruler_summary(rows)] == names

@@ -14,7 +14,9 @@ import pytest
 
 from kvjax.eval._kernel_ir import abstract_tiers, export_cuda
 from kvjax.pallas_kernels.decode_attention import (
+    PooledTier,
     decode_attention_lowbit_triton,
+    decode_attention_pooled_triton,
     decode_attention_triton,
 )
 from kvjax.pallas_kernels.slot_write import SlotWrite, write_slots
@@ -60,6 +62,19 @@ def test_lowbit_kernels_lower_for_h200(bits, stack):
         return_logits=True, **KNOBS,
     )  # fmt: skip
     assert export_cuda(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_pooled_kernel_lowers_for_h200(logits):
+    """adakv's pool (Hkv·C slots, owner ids) at the same sizes: one Triton launch."""
+    q, q_pos = _q()
+    p = HKV * C
+    pool = PooledTier(sds((B, 1, p, D), jnp.bfloat16), sds((B, 1, p, D), jnp.bfloat16),
+                      sds((B, 1, p), i32), sds((B, 1, p), i32), sds((B, 1), i32))  # fmt: skip
+    fn = functools.partial(
+        decode_attention_pooled_triton, block_k=64, return_logits=logits, **KNOBS
+    )
+    assert export_cuda(fn, q, pool, q_pos).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_slot_write_lowers_for_h200_with_every_array_aliased():

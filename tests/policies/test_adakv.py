@@ -174,7 +174,7 @@ def test_pool_attention_equals_per_head_attention():
     want, wst = attend(q, per_head, kn, vn, qpos, valid, implementation="xla")
     one = (q[:, :1], kn[:, :1], vn[:, :1], qpos[:, :1], valid[:, :1])
     w1, _ = attend(one[0], per_head, *one[1:], implementation="xla")
-    for impl in ("xla", "pallas"):  # a decode step; pallas: a pooled layer falls back to XLA
+    for impl in ("xla", "pallas"):  # a decode step; pallas: the pooled kernel (interpreted)
         got, _ = attend(one[0], pool, *one[1:], implementation=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(w1), rtol=1e-5, atol=1e-6)
     got, st = attend(q, pool, kn, vn, qpos, valid, implementation="xla")
