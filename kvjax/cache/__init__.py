@@ -10,7 +10,7 @@ from kvjax.cache._bytes import (
     slot_bytes_per_layer,
     slots_to_bytes,
 )
-from kvjax.cache._ops import put_rows, write_slots
+from kvjax.cache._ops import write_slots
 from kvjax.cache._stack import (
     is_stacked,
     layer_at,
@@ -50,7 +50,6 @@ __all__ = [
     "num_layers",
     "physical_bytes",
     "put_layer",
-    "put_rows",
     "slot_bytes_per_layer",
     "slots_to_bytes",
     "stack_cache",

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.cache import CacheSpec, put_rows
+from kvjax.cache import CacheSpec
 from kvjax.policies._base import Policy
 from kvjax.quant import BITS, pack, quantize_per_channel, quantize_per_token
 
@@ -111,8 +111,8 @@ class KIVIPolicy(Policy):
         f0 = (n0 // r) * r
         c0 = n0 - f0  # the token's residual slot
         slot = jnp.where(valid[:, 0], c0, r)[:, None]  # r: dropped (padding row)
-        slot = jnp.broadcast_to(slot, (b, h))[..., None]  # [B, H, 1]
-        put = lambda a, x: put_rows(a, slot, x[:, :, None])
+        bi, hi = jnp.arange(b)[:, None], jnp.arange(h)[None, :]
+        put = lambda a, x: a.at[bi, hi, slot].set(x.astype(a.dtype), mode="drop")
         k = put(layer.k, k_new[:, 0])
         v = put(layer.v, v_new[:, 0])
         pos = put(layer.pos, jnp.broadcast_to(n0[:, None], (b, h)))
@@ -138,7 +138,9 @@ class KIVIPolicy(Policy):
         tok_pos = f0[:, None, None, None] + (
             j[:, None, :, None] * g + jnp.arange(g)[None, None, None, :]
         )
-        put = lambda a, x: put_rows(a, page, x)
+        bi = jnp.arange(b)[:, None, None]
+        hi = jnp.arange(h)[None, :, None]
+        put = lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
         lb = lb.replace(
             k=put(lb.k, pack(kc, self.bits)),
             v=put(lb.v, pack(vc, self.bits)),

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import CacheSpec, put_rows
+from kvjax.cache import CacheSpec
 from kvjax.policies._ranked import RankedPolicy
 from kvjax.scorers import (
     ScorerConfig,
@@ -176,7 +176,8 @@ class KVpopPolicy(RankedPolicy):
         old = valid & ~from_new & (leave_pos >= 0)
         old = old[:, None, :] & (ring_pos == leave_pos[:, None, :])  # [B, H, T]
         slot = jnp.where(old, ring_slot[:, None, :], layer.capacity)
-        layer = layer.replace(score=put_rows(layer.score, slot, r))
+        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+        layer = layer.replace(score=layer.score.at[bi, hi, slot].set(r, mode="drop"))
         shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2)
         gone = (jnp.arange(t) + w < t)[None, None, :]
         new_scores = jnp.where(gone, shifted, 0.0)

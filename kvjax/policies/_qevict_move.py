@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import put_rows
 from kvjax.quant import (
     dequantize_per_channel,
     dequantize_per_token,
@@ -27,7 +26,10 @@ Array = jax.Array
 
 def put(a: Array, idx: Array, x: Array) -> Array:
     """a[b, h, idx[b, h, n]] = x[b, h, n] (out-of-range idx dropped)."""
-    return put_rows(a, idx, x)
+    b, h = idx.shape[:2]
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    return a.at[bi, hi, idx].set(x.astype(a.dtype), mode="drop")
 
 
 def move_sizes(lay, kk: int, moves: int | None) -> tuple[int, int, int, int]:

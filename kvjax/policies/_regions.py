@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import Int8Tier, LayerCache, put_rows
+from kvjax.cache import Int8Tier, LayerCache
 from kvjax.quant import quantize_int8
 
 Array = jax.Array
@@ -80,8 +80,11 @@ _INT8_FIELDS = _FP_FIELDS + ("k_scale", "v_scale")
 
 def _scatter(store, slots: Array, toks: Tokens, fields: tuple[str, ...]):
     """Write toks (N per head) into slots [B, H, N] of `store` (out of range = drop)."""
-    put = lambda f: put_rows(getattr(store, f), slots, getattr(toks, f))
-    return store.replace(**{f: put(f) for f in fields})
+    b, h, _ = slots.shape
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    put = lambda a, x: a.at[bi, hi, slots].set(x.astype(a.dtype), mode="drop")
+    return store.replace(**{f: put(getattr(store, f), getattr(toks, f)) for f in fields})
 
 
 def scatter_fp(layer: LayerCache, slots: Array, toks: Tokens) -> LayerCache:
@@ -120,9 +123,13 @@ class _Write(NamedTuple):
 def _scatter_writes(*writes: _Write) -> tuple[tuple[Array, ...], ...]:
     """The slot-write kernel's contract as XLA scatters: rows into slots, out of range dropped."""
 
+    def put(a: Array, slots: Array, x: Array) -> Array:
+        b, h, _ = slots.shape
+        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+        return a.at[bi, hi, slots].set(x.astype(a.dtype), mode="drop")
+
     return tuple(
-        tuple(put_rows(a, w.slots, r) for a, r in zip(w.arrays, w.rows, strict=True))
-        for w in writes
+        tuple(put(a, w.slots, r) for a, r in zip(w.arrays, w.rows, strict=True)) for w in writes
     )
 
 
