@@ -102,7 +102,7 @@ case "${1:-foundation}" in
     # bytes), one process per row: ms/step, policy ms and first_call_s of the scanned step
     for row in ${ROWS:-full confkv qevict}; do
       budget=(); case $row in confkv) budget=(--budget 12650) ;; qevict) budget=(--budget 6554) ;; esac
-      timeout "${ROW_TIMEOUT:-110}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
+      timeout "${ROW_TIMEOUT:-75}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
         --dtype bfloat16 --policy $row ${budget[*]} --contexts 32768 --batch ${BATCH:-8} \
         --steps ${STEPS:-16} --copy-mib 4096 --attention pallas --scan-layers \
         --out $OUT/decode_scan_${row}_b${BATCH:-8}.json" || echo "row $row: exit $?"
