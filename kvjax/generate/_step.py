@@ -123,9 +123,10 @@ def write_stacked(
     stats: AttnStats,
     state,
 ) -> LayerCache:
-    """`policy.write` into every layer of a stacked cache in one `lax.scan` (the layer-scan
-    counterpart of `Policy.write_layers`): layer i is sliced out of the carried buffers,
-    written, and put back in place (`put_layer`), with `layer_index` a traced int32.
+    """`policy.write` into every layer of a stacked cache (the layer-scan counterpart of
+    `Policy.write_layers`), with `layer_index` a traced int32: one `jax.vmap` of the write
+    over the layers where `Policy.vmaps_layers`, else a `lax.scan` in which layer i is sliced
+    out of the carried buffers, written, and put back (`put_layer`).
 
     Args:
         layers: the stacked LayerCache (leading [L] axis on every array).
@@ -139,13 +140,20 @@ def write_stacked(
     """
     check_scannable(policy, "a stacked cache")
 
-    def body(layers, xs):
-        i, k, v, st = xs
-        new = policy.write(layer_at(layers, i), k, v, positions, valid, st, state, layer_index=i)
-        return put_layer(layers, new, i), None
+    def one(layer, i, k, v, st):
+        return policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
 
     n = layers.pos.shape[0]
     xs = (jnp.arange(n, dtype=jnp.int32), k_new, v_new, stats)
+    if policy.vmaps_layers():
+        # Each scatter writes the stacked buffer itself (a batching dimension for L), where a
+        # scan slices a layer out (a layer-sized copy) and puts it back.
+        return jax.vmap(one)(layers, *xs)
+
+    def body(layers, xs):
+        i = xs[0]
+        return put_layer(layers, one(layer_at(layers, i), *xs), i), None
+
     return jax.lax.scan(body, layers, xs)[0]
 
 
