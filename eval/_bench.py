@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import AttnStats
-from kvjax.cache import Cache, live_bytes, physical_bytes
-from kvjax.generate import model_step, new_cache
-from kvjax.models import ModelConfig, Params
+from kvjax.cache import Cache, is_stacked, live_bytes, physical_bytes
+from kvjax.generate import model_step, new_cache, write_stacked
+from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import BUDGETLESS, Policy, make_policy
 
 
@@ -52,6 +52,7 @@ class DecodeBench:
     peak_device_bytes: int | None  # the device allocator's peak so far (None where unreported)
     fill_s: float  # wall time of the synthetic fill (its compile included)
     first_call_s: float  # wall time of the first decode loop call (compile + `steps` steps)
+    scan_layers: bool = False  # the layers ran in one lax.scan over a stacked cache
     # --mesh runs only: the mesh, each device's live / physical K/V bytes and the collectives of
     # one compiled decode step (opcode -> instructions), read from its HLO.
     mesh: str | None = None
@@ -61,31 +62,64 @@ class DecodeBench:
 
 
 def _random_stats(layer, key: jax.Array, b: int, t: int) -> AttnStats:
-    """Random attention masses for every tier of `layer` and `t` new tokens per sequence."""
+    """Random attention masses for every tier of `layer` and `t` new tokens per sequence (a
+    stacked layer: every array with its leading [L] axis)."""
+    lead = layer.pos.shape[:-3]  # () or (L,)
     tier = lambda x: None if x is None else jax.random.uniform(key, x.pos.shape)
     return AttnStats(
         slot_mass=jax.random.uniform(key, layer.pos.shape),
-        new_mass=jax.random.uniform(key, (b, layer.k.shape[1], t)),
-        lse=jnp.zeros((b, t, 1)),
+        new_mass=jax.random.uniform(key, (*lead, b, layer.k.shape[-3], t)),
+        lse=jnp.zeros((*lead, b, t, 1)),
         int8_mass=tier(layer.int8),
         lowbit_mass=tier(layer.lowbit),
     )
 
 
+def _random_kv(layer, kk: jax.Array, kv: jax.Array, b: int, t: int) -> tuple[jax.Array, ...]:
+    """Random new K and V [(L,) B, T, Hkv, D] for `layer` (drawn apart: slices of one [2, ...]
+    draw ran as two device copies per layer and step inside the timed loop, H200 trace,
+    docs/lab/2026-12-01-policy-trace.md)."""
+    lead, (h, d) = layer.pos.shape[:-3], (layer.k.shape[-3], layer.k.shape[-1])
+    shape = (*lead, b, t, h, d)
+    return (
+        jax.random.normal(kk, shape, layer.k.dtype),
+        jax.random.normal(kv, shape, layer.v.dtype),
+    )
+
+
+def _random_inputs(cache: Cache, key: jax.Array, t: int):
+    """Random (k_new, v_new, stats) of `t` tokens for every layer: lists of one per layer for
+    a per-layer cache, arrays with a leading [L] axis for a stacked one."""
+    b = cache.length.shape[0]
+    if is_stacked(cache):
+        kk, kv, km = jax.random.split(key, 3)
+        k, v = _random_kv(cache.layers, kk, kv, b, t)
+        return k, v, _random_stats(cache.layers, km, b, t)
+    k, v, stats = [], [], []
+    for layer in cache.layers:
+        key, kk, kv, km = jax.random.split(key, 4)
+        new_k, new_v = _random_kv(layer, kk, kv, b, t)
+        k, v = [*k, new_k], [*v, new_v]
+        stats.append(_random_stats(layer, km, b, t))
+    return k, v, stats
+
+
+def _write_all(policy: Policy, cache: Cache, ks, vs, pos, valid, stats, state):
+    """Every layer's write: `write_layers` over a per-layer cache, `write_stacked` (the layer
+    scan's write) over a stacked one."""
+    if is_stacked(cache):
+        return write_stacked(policy, cache.layers, ks, vs, pos, valid, stats, state)
+    return policy.write_layers(cache.layers, ks, vs, pos, valid, stats, state)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
 def _fill(policy: Policy, chunk: int, cache: Cache, key: jax.Array) -> Cache:
     """Write `chunk` random tokens per sequence through the policy (no model)."""
-    ks, vs, stats = [], [], []
     b = cache.length.shape[0]
     pos = cache.length[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]
     valid = jnp.ones((b, chunk), bool)
-    for layer in cache.layers:
-        key, kk, kv, km = jax.random.split(key, 4)
-        h, d = layer.k.shape[1], layer.k.shape[3]
-        ks.append(jax.random.normal(kk, (b, chunk, h, d), layer.k.dtype))
-        vs.append(jax.random.normal(kv, (b, chunk, h, d), layer.v.dtype))
-        stats.append(_random_stats(layer, km, b, chunk))
-    layers = policy.write_layers(cache.layers, ks, vs, pos, valid, stats, cache.policy_state)
+    k, v, stats = _random_inputs(cache, key, chunk)
+    layers = _write_all(policy, cache, k, v, pos, valid, stats, cache.policy_state)
     return Cache(layers=layers, length=cache.length + chunk, policy_state=cache.policy_state)
 
 
@@ -130,28 +164,12 @@ def _policy_only(policy: Policy, steps: int, cache: Cache, key: jax.Array) -> Ca
     """`steps` one-token writes through the policy, every layer, no model and no attention:
     the policy's own per-step cost. Inputs (K/V, masses) are drawn once outside the loop."""
     b = cache.length.shape[0]
-    inputs = []
-    for layer in cache.layers:
-        key, kk, kv, km = jax.random.split(key, 4)
-        h, d = layer.k.shape[1], layer.k.shape[3]
-        # K and V drawn apart: slices of one [2, ...] draw ran as two device copies per layer
-        # and step inside the timed loop (H200 trace, docs/lab/2026-12-01-policy-trace.md).
-        new_k = jax.random.normal(kk, (b, 1, h, d), layer.k.dtype)
-        new_v = jax.random.normal(kv, (b, 1, h, d), layer.k.dtype)
-        inputs.append(((new_k, new_v), _random_stats(layer, km, b, 1)))
+    k, v, stats = _random_inputs(cache, key, 1)
 
     def body(_, cache):
         pos = cache.length[:, None]
         valid = jnp.ones((b, 1), bool)
-        layers = policy.write_layers(
-            cache.layers,
-            [kv[0] for kv, _ in inputs],
-            [kv[1] for kv, _ in inputs],
-            pos,
-            valid,
-            [st for _, st in inputs],
-            cache.policy_state,
-        )
+        layers = _write_all(policy, cache, k, v, pos, valid, stats, cache.policy_state)
         return Cache(layers=layers, length=cache.length + 1, policy_state=cache.policy_state)
 
     return jax.lax.fori_loop(0, steps, body, cache)
@@ -334,14 +352,27 @@ def bench_decode(
     copy_bytes: int = 1 << 28,
     progress: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    scan_layers: bool = False,
 ) -> DecodeBench:
     """Time `steps` decode steps after filling the cache to `context` tokens (progress: a bar
     of the fill and a line per phase on stderr). With `mesh`, the same steps run sharded
-    (`kvjax.sharding.TENSOR_PARALLEL`; the fill runs unsharded, then the cache is placed)."""
+    (`kvjax.sharding.TENSOR_PARALLEL`; the fill runs unsharded, then the cache is placed).
+    With `scan_layers` the cache is stacked and every phase (fill, decode, the policy alone)
+    runs the layers in one `lax.scan` (pass `stack_params(params)` to spare a copy per call).
+
+    Raises:
+        ValueError: context not a multiple of fill_chunk; `scan_layers` with a mesh or with
+            a policy of per-layer budgets.
+    """
     if context % fill_chunk:
         raise ValueError(f"context ({context}) must be a multiple of fill_chunk ({fill_chunk})")
+    if scan_layers and mesh is not None:
+        raise ValueError("bench_decode(scan_layers=True) does not run on a mesh yet")
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    cache = new_cache(config, policy, batch=batch, max_len=context + 4 * steps + 1, dtype=dtype)
+    n = context + 4 * steps + 1
+    cache = new_cache(config, policy, batch=batch, max_len=n, dtype=dtype, stacked=scan_layers)
+    if scan_layers:
+        params = stack_params(params)  # no copy when already stacked
     say = lambda msg: print(f"  [{policy.name}] {msg}", file=sys.stderr, flush=True)
     key = jax.random.key(0)
     t = time.perf_counter()
@@ -393,5 +424,6 @@ def bench_decode(
         peak_device_bytes=peak,
         fill_s=fill_s,
         first_call_s=first_s,
+        scan_layers=scan_layers,
         **sharded,
     )

@@ -52,8 +52,10 @@ def run_ppl(
     budget: int | None = None,
     cache_dtype=None,
     progress: bool = True,
+    scan_layers: bool = False,
 ) -> PplResult:
-    """Teacher-forced perplexity over tokens 1..N-1 of an essay through `policy`'s cache."""
+    """Teacher-forced perplexity over tokens 1..N-1 of an essay through `policy`'s cache
+    (`scan_layers`: the layers in one `lax.scan`, `score_tokens(scan_layers=True)`)."""
     if n_tokens < 2:
         raise ValueError(f"--tokens must be >= 2, got {n_tokens}")
     tokens = essay_tokens(model, n_tokens, text)
@@ -67,6 +69,7 @@ def run_ppl(
         segment=segment,
         cache_dtype=cache_dtype,
         progress=progress,
+        scan_layers=scan_layers,
     )
     nll = np.asarray(out.nll, np.float64)[0]
     seconds = time.perf_counter() - t0

@@ -26,7 +26,7 @@ from kvjax.generate import (
     generate,
     score_tokens,
 )
-from kvjax.models import ModelConfig, Params
+from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import Policy
 from kvjax.weights import Tokenizer, load_model
 
@@ -49,8 +49,14 @@ class LM:
         source: str = "",
         implementation: Implementation = "auto",
         mesh: Mesh | None = None,
+        scan_layers: bool = False,
     ) -> None:
+        if scan_layers and mesh is not None:
+            raise ValueError("scan_layers=True does not run on a mesh yet")
         self.config = config
+        self.scan_layers = scan_layers
+        if scan_layers:  # stacked once here, not per call
+            params = stack_params(params)
         self.params = params if mesh is None else _place(config, params, mesh)
         self.tokenizer = tokenizer
         self.source = source
@@ -209,6 +215,7 @@ class LM:
             stop_tokens=stops,
             chunk_size=chunk_size,
             implementation=self.implementation,
+            scan_layers=self.scan_layers,
         )
         out = self._core(generate, ids, policy=pol, gen=gen, seed=seed)
         tokens, counts = np.asarray(out.tokens), np.asarray(out.num_generated)
@@ -265,6 +272,7 @@ class LM:
             chunk=chunk,
             segment=segment,
             implementation=self.implementation,
+            scan_layers=self.scan_layers,
         )
         nll = np.asarray(out.nll)
         chex.assert_shape(nll, (len(ids), max(lengths) - 1))
@@ -291,6 +299,7 @@ def load(
     dtype: DTypeLike = jnp.float32,
     implementation: Implementation = "auto",
     mesh: Mesh | None = None,
+    scan_layers: bool = False,
 ) -> LM:
     """Load a model for text generation and scoring.
 
@@ -303,6 +312,10 @@ def load(
         implementation: attention implementation ("auto", "xla", or a Pallas variant).
         mesh: generate and score sharded over this device mesh (`kvjax.sharding.make_mesh(data=...,
             model=...)`, docs/sharding.md); the params are placed on it once, here.
+        scan_layers: generate and score with the layers in one `lax.scan` over a stacked cache
+            (compiled once, not per layer: a shorter first call, the same results); the params
+            are stacked once, here. Policies with per-layer budgets (pyramid) then raise
+            ValueError; not with `mesh`.
 
     Raises:
         FileNotFoundError: nothing at `model`.
@@ -322,6 +335,7 @@ def load(
         source=loaded.source,
         implementation=implementation,
         mesh=mesh,
+        scan_layers=scan_layers,
     )
 
 

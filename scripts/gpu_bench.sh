@@ -97,6 +97,17 @@ case "${1:-foundation}" in
     (cd /tmp && python3 "$OLDPWD/scripts/compile_times.py" --preset Llama-3-8B --budget 1638 \
       --context 8192 --batch 8 --stacked --policy full window h2o confkv kivi qevict) \
       | tee "$OUT/compile_scan.jsonl" ;;
+  decode-scan)  # end to end with the layer scan (--scan-layers: one lax.scan over a stacked
+    # cache), Llama-3-8B shapes, bf16, 32K, batch 8, budgets of decode-pallas (20% of full's
+    # bytes), one process per row: ms/step, policy ms and first_call_s of the scanned step
+    # (EXTRA: more flags for every row, e.g. EXTRA="--set write_kernel=xla" ROWS=confkv)
+    for row in ${ROWS:-full confkv qevict}; do
+      budget=(); case $row in confkv) budget=(--budget 12650) ;; qevict) budget=(--budget 6554) ;; esac
+      timeout "${ROW_TIMEOUT:-75}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
+        --dtype bfloat16 --policy $row ${budget[*]} --contexts 32768 --batch ${BATCH:-8} \
+        --steps ${STEPS:-16} --copy-mib 4096 --attention pallas --scan-layers ${EXTRA:-} \
+        --out $OUT/decode_scan_${row}_b${BATCH:-8}.json" || echo "row $row: exit $?"
+    done ;;
   copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee "$OUT/copies.txt" ;;

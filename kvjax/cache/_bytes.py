@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache._stack import is_stacked, num_layers
 from kvjax.cache._state import Cache, LayerCache
 
 Array = jax.Array
@@ -39,7 +40,10 @@ def layer_slot_bytes(layer: LayerCache) -> tuple[int, int, int]:
 
 
 def slot_bytes_per_layer(cache: Cache) -> np.ndarray:
-    """[L, 3] int64: K/V bytes of one unit of one KV head, per layer and tier."""
+    """[L, 3] int64: K/V bytes of one unit of one KV head, per layer and tier (a stacked
+    cache's layers share one shape, hence one row repeated)."""
+    if is_stacked(cache):
+        return np.array([layer_slot_bytes(cache.layers)] * num_layers(cache), np.int64)
     return np.array([layer_slot_bytes(layer) for layer in cache.layers], np.int64)
 
 
@@ -49,7 +53,8 @@ def physical_bytes(cache: Cache) -> int:
 
 
 def _layer_tier_slots(layer: LayerCache) -> Array:
-    """[B, 3] int32 occupied units per tier (slots, slots, pages), summed over KV heads."""
+    """[B, 3] int32 occupied units per tier (slots, slots, pages), summed over KV heads
+    ([L, B, 3] for a stacked layer)."""
     full = jnp.sum(layer.live_slots(), axis=-1)
     zero = jnp.zeros_like(full)
     q = zero if layer.int8 is None else jnp.sum(layer.int8.live_slots(), axis=-1)
@@ -60,6 +65,8 @@ def _layer_tier_slots(layer: LayerCache) -> Array:
 def live_slots_per_layer(cache: Cache) -> Array:
     """[B, L, 3] int32: occupied units per layer and tier (full slots, INT8 slots, low-bit
     pages), summed over KV heads."""
+    if is_stacked(cache):
+        return jnp.swapaxes(_layer_tier_slots(cache.layers), 0, 1)
     return jnp.stack([_layer_tier_slots(layer) for layer in cache.layers], axis=1)
 
 
@@ -69,7 +76,7 @@ def attended_slots_per_layer(cache: Cache) -> Array:
     that have consumed a token. Measured after a step's write, it is what the step attended
     (a budget of N: at most N tokens)."""
     live = live_slots_per_layer(cache)
-    hkv = cache.layers[0].num_kv_heads
+    hkv = (cache.layers if is_stacked(cache) else cache.layers[0]).num_kv_heads
     cur = jnp.where(cache.length > 0, hkv, 0).astype(jnp.int32)  # [B]
     return live.at[:, :, 0].add(cur[:, None])
 

@@ -2,9 +2,10 @@
 
 `Cache.layers` is either a tuple of LayerCache (one per layer, the unrolled step) or one
 LayerCache whose every array has a leading [L] axis (a *stacked* cache). A model step over a
-stacked cache runs its layers in a `lax.scan` that slices layer i out of the carried buffers and
-writes it back with `dynamic_update_slice`; XLA keeps that in place (no copy of a layer's
-buffers: `tests/policies/test_in_place.py`), and the step compiles its layer once, not L times.
+stacked cache runs its layers' forward in a `lax.scan` and their writes as one `jax.vmap` over
+the stack (`kvjax.generate.write_stacked`; QEvict's in a scan that slices layer i out and puts
+it back), in place (`tests/policies/test_in_place.py`), and compiles its layer once, not L
+times.
 """
 
 from __future__ import annotations

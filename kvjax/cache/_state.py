@@ -210,8 +210,9 @@ class LayerCache:
 
     @property
     def num_kv_heads(self) -> int:
-        """Hkv, also for a pooled layer (whose slot arrays have a head axis of 1)."""
-        return self.pool_heads if self.head is not None else self.k.shape[1]
+        """Hkv, also for a pooled layer (whose slot arrays have a head axis of 1) and a stacked
+        one (leading [L] axis)."""
+        return self.pool_heads if self.head is not None else self.k.shape[-3]
 
     def occupied(self) -> Array:
         """[B, Hkv, C] bool: slot holds a token."""

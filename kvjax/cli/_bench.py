@@ -9,8 +9,8 @@ import dataclasses
 import jax
 
 from kvjax.attention import IMPLEMENTATIONS
-from kvjax.cli._common import DTYPES, add_policy_args, build_policy, emit
-from kvjax.models import PRESETS, init_params
+from kvjax.cli._common import DTYPES, add_policy_args, add_scan_arg, build_policy, check_scan, emit
+from kvjax.models import PRESETS, init_params, stack_params
 from kvjax.policies import BUDGETLESS
 
 
@@ -42,6 +42,7 @@ def register(sub) -> None:
         help="run the decode steps sharded over a device mesh, e.g. data=1,model=1 (axes data, "
         "model; docs/sharding.md); adds per-device KV bytes and the collectives per step",
     )
+    add_scan_arg(d)
     d.add_argument("--json", action="store_true")
     d.add_argument("--out", default=None, help="also write JSON here")
     d.set_defaults(func=run_decode)
@@ -140,6 +141,12 @@ def run_decode(args: argparse.Namespace) -> int:
             )
         config = by_lower[args.preset.lower()]
         params = init_params(config, jax.random.key(0), dtype=dtype)
+    if args.scan_layers:
+        if args.mesh is not None:
+            raise ValueError("--scan-layers does not run with --mesh yet")
+        for name in args.policy:  # every policy checked before anything runs
+            check_scan(build_policy(name, args, config.num_layers), args)
+        params = stack_params(params)  # once for every row; the per-layer copy is dropped
     mesh = None
     if args.mesh is not None:
         from kvjax.eval._bench_mesh import parse_mesh
@@ -163,12 +170,14 @@ def run_decode(args: argparse.Namespace) -> int:
                 implementation=args.attention,
                 progress=True,
                 mesh=mesh,
+                scan_layers=args.scan_layers,
             )
             rows.append(dataclasses.asdict(r))
             if not args.json:
                 print(
                     f"{name:>10} ctx={ctx:>6}: {r.ms_per_step:8.2f} ms/step "
-                    f"{r.tokens_per_s:9.1f} tok/s, policy alone {r.policy_ms_per_step:.3f} ms",
+                    f"{r.tokens_per_s:9.1f} tok/s, policy alone {r.policy_ms_per_step:.3f} ms, "
+                    f"first call {r.first_call_s:.1f} s{' (layer scan)' if r.scan_layers else ''}",
                     flush=True,
                 )
                 if r.mesh is not None:

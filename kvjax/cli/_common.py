@@ -63,6 +63,24 @@ def add_policy_args(p: argparse.ArgumentParser, *, multi: bool = False) -> None:
     )
 
 
+def add_scan_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the layers in one lax.scan over a stacked cache: compiled once, not per layer "
+        "(a shorter first call, the same results; not for per-layer budgets; docs/compile.md)",
+    )
+
+
+def check_scan(policy: Policy, args: argparse.Namespace) -> None:
+    """With --scan-layers, one clear error (exit 2) for a policy that cannot scan its layers."""
+    if getattr(args, "scan_layers", False) and not policy.scans_layers():
+        raise ValueError(
+            f"--scan-layers: policy {policy.name!r} with these settings has per-layer budgets "
+            "(pyramid), so its layers cannot share one scanned step; drop --scan-layers"
+        )
+
+
 def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Hyperparameters given on the command line (--sinks, --int8, --set k=v)."""
     kwargs: dict[str, Any] = {}

@@ -7,7 +7,16 @@ import time
 
 import numpy as np
 
-from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load, say
+from kvjax.cli._common import (
+    add_model_args,
+    add_policy_args,
+    add_scan_arg,
+    build_policy,
+    check_scan,
+    emit,
+    load,
+    say,
+)
 from kvjax.generate import GenerateConfig, Sampling, generate
 
 
@@ -22,6 +31,7 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens)")
+    add_scan_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--trace",
@@ -59,9 +69,10 @@ def generate_text(
 
 
 def run(args: argparse.Namespace) -> int:
-    build_policy(args.policy, args)  # bad flags fail before the model loads
+    check_scan(build_policy(args.policy, args), args)  # bad flags fail before the model loads
     model = load(args)
     policy = build_policy(args.policy, args, model.config.num_layers)
+    check_scan(policy, args)
     tok = model.tokenizer
     if tok is None:
         raise SystemExit(f"error: model {model.source} has no tokenizer; cannot encode text")
@@ -77,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=tok.eos_ids,
         chunk_size=args.chunk_size,
         cache_dtype=args.dtype,
+        scan_layers=args.scan_layers,
     )
     say(f"generating with {policy.name} (the first call compiles: a minute or more on CPU)")
     new, seconds, live = generate_text(model, ids, policy, gen, args.seed, args.trace)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load
+from kvjax.cli._common import (
+    add_model_args,
+    add_policy_args,
+    add_scan_arg,
+    build_policy,
+    check_scan,
+    emit,
+    load,
+)
 
 
 def register(sub) -> None:
@@ -23,6 +31,7 @@ def register(sub) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="full-precision cache tier dtype (default: --dtype)",
     )
+    add_scan_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.set_defaults(func=run)
@@ -31,9 +40,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvjax.eval import run_ppl
 
-    build_policy(args.policy, args)  # bad flags fail before the model loads
+    check_scan(build_policy(args.policy, args), args)  # bad flags fail before the model loads
     model = load(args)
     policy = build_policy(args.policy, args, model.config.num_layers)
+    check_scan(policy, args)
     res = run_ppl(
         model,
         policy,
@@ -43,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
         cache_dtype=args.cache_dtype,
         progress=True,
+        scan_layers=args.scan_layers,
     )
     emit(dataclasses.asdict(res), as_json=args.json, title="perplexity", out=args.out)
     return 0

@@ -11,7 +11,7 @@ from kvjax.generate._fit import fit_policy
 from kvjax.generate._loop import generate
 from kvjax.generate._sampling import GREEDY, Sampling, sample
 from kvjax.generate._score import ScoreOutput, score_tokens
-from kvjax.generate._step import cache_spec_for, model_step, new_cache
+from kvjax.generate._step import cache_spec_for, model_step, new_cache, write_stacked
 from kvjax.generate._stream import decode, generate_from_cache, prefill, prefill_cache
 from kvjax.generate._types import GenerateConfig, GenerateOutput, Telemetry
 
@@ -33,6 +33,7 @@ __all__ = [
     "prefill_cache",
     "sample",
     "score_tokens",
+    "write_stacked",
 ]
 
 

@@ -8,14 +8,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import CacheSpec
+from kvjax.cache import CacheSpec, stack_cache
 from kvjax.generate._fit import fit_policy
 from kvjax.generate._sampling import row_keys
-from kvjax.generate._step import cache_spec_for
+from kvjax.generate._step import cache_spec_for, check_scannable
 from kvjax.generate._stream import prefill_and_decode
 from kvjax.generate._types import GenerateConfig, GenerateOutput
 from kvjax.generate._validate import check_lengths, check_tokens, check_window, pad_prompts
-from kvjax.models import ModelConfig, Params
+from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import Policy
 from kvjax.sharding import TENSOR_PARALLEL, ShardingRules
 
@@ -65,6 +65,11 @@ def generate(
             raise ValueError(f"stop token {s} is out of range [0, {config.vocab_size})")
     dtype = gen.cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
     spec = cache_spec_for(config, policy, batch=len(prompts), max_len=max_len, dtype=dtype)
+    if gen.scan_layers:
+        check_scannable(policy, "GenerateConfig(scan_layers=True)")
+        if mesh is not None:
+            raise ValueError("GenerateConfig(scan_layers=True) does not run on a mesh yet")
+        params = stack_params(params)  # no copy when already stacked
     if mesh is not None:
         from kvjax.generate._sharded import generate_sharded
 
@@ -103,4 +108,6 @@ def _generate(
     key: Array,
 ) -> GenerateOutput:
     cache = policy.empty_cache(spec)
+    if gen.scan_layers:
+        cache = stack_cache(cache)
     return prefill_and_decode(config, policy, gen, params, cache, tokens, lengths, key)[0]

@@ -18,9 +18,9 @@ from flax import struct
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, attended_slots_per_layer
 from kvjax.generate._fit import fit_policy
-from kvjax.generate._step import cache_spec_for, model_step, new_cache
+from kvjax.generate._step import cache_spec_for, check_scannable, model_step, new_cache
 from kvjax.generate._validate import check_window
-from kvjax.models import ModelConfig, Params
+from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import Policy
 from kvjax.sharding import (
     TENSOR_PARALLEL,
@@ -102,6 +102,7 @@ def score_tokens(
     lengths: Sequence[int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules = TENSOR_PARALLEL,
+    scan_layers: bool = False,
 ) -> ScoreOutput:
     """Teacher-forced NLL of every token after the first, through the policy's cache.
 
@@ -120,9 +121,12 @@ def score_tokens(
         mesh: score sharded over this device mesh, as `generate(..., mesh=)` (params and cache
             placed by `rules`, rows split over its batch axis). None: one device.
         rules: how logical axes map onto the mesh's axes (used only with `mesh`).
+        scan_layers: run the layers in one `lax.scan` over a stacked cache (compiled once, not
+            per layer; `GenerateConfig.scan_layers`); the returned cache is then stacked.
 
     Raises:
-        ValueError: bad shapes, token ids, lengths, or a policy built for another model.
+        ValueError: bad shapes, token ids, lengths, or a policy built for another model;
+            `scan_layers` with per-layer budgets or a mesh.
     """
     policy = fit_policy(policy, config)
     tokens = np.asarray(tokens)
@@ -156,7 +160,12 @@ def score_tokens(
     inp[:, :n], tgt[:, :n] = tokens[:, :-1], tokens[:, 1:]
     val[:, :n] = np.arange(n)[None, :] < (lengths[:, None] - 1)
     dtype = cache_dtype or jax.tree_util.tree_leaves(params)[0].dtype
-    cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype)
+    if scan_layers:
+        check_scannable(policy, "score_tokens(scan_layers=True)")
+        if mesh is not None:
+            raise ValueError("score_tokens(scan_layers=True) does not run on a mesh yet")
+        params = stack_params(params)  # no copy when already stacked
+    cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype, stacked=scan_layers)
     layout, rows = None, jnp.asarray
     if mesh is not None:
         from kvjax.generate._sharded import layout_for, place_rows

@@ -10,8 +10,16 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import Implementation
-from kvjax.cache import Cache, CacheSpec, is_stacked, layer_at, put_layer, stack_cache
+from kvjax.attention import AttnStats, Implementation
+from kvjax.cache import (
+    Cache,
+    CacheSpec,
+    LayerCache,
+    is_stacked,
+    layer_at,
+    put_layer,
+    stack_cache,
+)
 from kvjax.generate._fit import fit_policy
 from kvjax.models import ModelConfig, Params, forward
 from kvjax.policies import Policy
@@ -78,7 +86,9 @@ def model_step(
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
     if is_stacked(cache):
-        layers = _write_scanned(policy, cache.layers, out, positions, valid, state)
+        layers = write_stacked(
+            policy, cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
+        )
         new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
         return out.logits, new_cache
     layers = policy.write_layers(
@@ -88,23 +98,62 @@ def model_step(
     return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
 
 
-def _write_scanned(policy: Policy, layers, out, positions: Array, valid: Array, state):
-    """`policy.write` into every layer of a stacked cache in one `lax.scan`: layer i is sliced
-    out of the carried buffers, written, and put back in place (`put_layer`), with `layer_index`
-    a traced int32 (`Policy.scans_layers` says the write allows that)."""
+def check_scannable(policy: Policy, what: str) -> None:
+    """One clear error where `policy` cannot run in a layer scan.
+
+    Raises:
+        ValueError: per-layer budgets (pyramidkv, confkv with `pyramid`): its layers differ in
+            shape or in how they are written.
+    """
     if not policy.scans_layers():
         raise ValueError(
-            f"policy {policy.name!r} with these settings writes each layer differently "
-            "(per-layer budgets); use a per-layer cache (no stack_cache) for it"
+            f"{what}: policy {policy.name!r} with these settings cannot run in a layer scan: "
+            "its layers have different budgets (per-layer budgets: pyramid) and so differ in "
+            "shape or in how they are written; run it unrolled (scan_layers=False)"
         )
 
-    def body(layers, xs):
-        i, k, v, st = xs
-        new = policy.write(layer_at(layers, i), k, v, positions, valid, st, state, layer_index=i)
-        return put_layer(layers, new, i), None
+
+def write_stacked(
+    policy: Policy,
+    layers: LayerCache,
+    k_new: Array,
+    v_new: Array,
+    positions: Array,
+    valid: Array,
+    stats: AttnStats,
+    state,
+) -> LayerCache:
+    """`policy.write` into every layer of a stacked cache (the layer-scan counterpart of
+    `Policy.write_layers`), with `layer_index` a traced int32: one `jax.vmap` of the write
+    over the layers where `Policy.vmaps_layers`, else a `lax.scan` in which layer i is sliced
+    out of the carried buffers, written, and put back (`put_layer`).
+
+    Args:
+        layers: the stacked LayerCache (leading [L] axis on every array).
+        k_new, v_new: [L, B, T, Hkv, D] each layer's new keys (after RoPE) and values.
+        positions: [B, T] int32; valid: [B, T] bool.
+        stats: AttnStats with a leading [L] axis on every array.
+        state: the policy's state for this step (`Policy.begin_step`).
+
+    Raises:
+        ValueError: the policy cannot scan (`check_scannable`).
+    """
+    check_scannable(policy, "a stacked cache")
+
+    def one(layer, i, k, v, st):
+        return policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
 
     n = layers.pos.shape[0]
-    xs = (jnp.arange(n, dtype=jnp.int32), out.k_new, out.v_new, out.stats)
+    xs = (jnp.arange(n, dtype=jnp.int32), k_new, v_new, stats)
+    if policy.vmaps_layers():
+        # Each scatter writes the stacked buffer itself (a batching dimension for L), where a
+        # scan slices a layer out (a layer-sized copy) and puts it back.
+        return jax.vmap(one)(layers, *xs)
+
+    def body(layers, xs):
+        i = xs[0]
+        return put_layer(layers, one(layer_at(layers, i), *xs), i), None
+
     return jax.lax.scan(body, layers, xs)[0]
 
 
@@ -152,9 +201,5 @@ def new_cache(
     )
     if not stacked:
         return cache
-    if not policy.scans_layers():
-        raise ValueError(
-            f"new_cache(stacked=True): policy {policy.name!r} with these settings writes each "
-            "layer differently (per-layer budgets); use stacked=False"
-        )
+    check_scannable(policy, "new_cache(stacked=True)")
     return stack_cache(cache)

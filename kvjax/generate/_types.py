@@ -66,6 +66,11 @@ class GenerateConfig:
         cache_dtype: storage dtype of the full-precision cache tier (None: the params' dtype).
         implementation: attention implementation.
         pad_id: id written after a sequence stops.
+        scan_layers: run the model's layers in one `lax.scan` over a stacked cache (the layer
+            compiled once, not once per layer: a first call several times shorter; the same
+            tokens). Not for per-layer budgets (pyramid: ValueError) nor on a mesh. Pass the
+            params through `kvjax.models.stack_params` once to spare a copy of the layer
+            weights per call (docs/compile.md).
     """
 
     max_new_tokens: int
@@ -75,6 +80,7 @@ class GenerateConfig:
     cache_dtype: str | None = None
     implementation: Implementation = "auto"
     pad_id: int = 0
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -120,6 +120,9 @@ def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
     Returns x and (qs, ks, vs, stats): tuples per layer, or stacked [L, ...] arrays."""
     run = lambda x, lp, lc: block(config, lp, lc, x, *args)  # args: positions, valid, attn
     if not is_stacked(cache):
+        if not isinstance(param_layers, tuple | list):  # stacked params: layer i is a slice
+            n = len(cache.layers)
+            param_layers = [jax.tree.map(lambda a, i=i: a[i], param_layers) for i in range(n)]
         outs = []
         for lp, lc in zip(param_layers, cache.layers, strict=True):
             x, out = run(x, lp, lc)

@@ -144,6 +144,13 @@ class Policy(abc.ABC):
         traced int32 (`kvjax.cache.stack_cache`). Per-layer budgets override this to False."""
         return True
 
+    def vmaps_layers(self) -> bool:
+        """Whether a stacked cache's layers may be written by one `jax.vmap` of `write` (its
+        scatters then write the stacked buffers in place) rather than a `lax.scan` (which
+        slices each layer out and back: a layer-sized copy each way). False for a write whose
+        loops have per-layer trip counts: vmapped, every round would select the whole stack."""
+        return True
+
     def write_layers(
         self,
         layers: Sequence[LayerCache],

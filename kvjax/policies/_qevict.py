@@ -162,6 +162,9 @@ class QEvictPolicy(Policy):
         """Windows that have left the band once n tokens are cached."""
         return jnp.maximum(n - self.sinks - self.local_band, 0) // self.window
 
+    def vmaps_layers(self) -> bool:
+        return False  # its data-movement loops run per-layer rounds (`apply_moves`)
+
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del layer_index
         return self.write_layers([layer], [k_new], [v_new], pos_new, valid, [stats], state)[0]

@@ -214,3 +214,17 @@ def test_lm_on_a_mesh_generates_the_unsharded_tokens(tiny_lm):
     np.testing.assert_allclose(got.ppl, ref.ppl, rtol=1e-5)
     for g, r in zip(got.nll, ref.nll, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+def test_lm_with_scan_layers_generates_the_unrolled_tokens(tiny_lm):
+    """`LM(scan_layers=True)` stacks its params once and generates as the unrolled LM; policies
+    with per-layer budgets get one clear error."""
+    scan = kvjax.LM(
+        config=tiny_lm.config, params=tiny_lm.params, tokenizer=tiny_lm.tokenizer, scan_layers=True
+    )
+    assert not isinstance(scan.params.layers, tuple)  # stacked
+    kw = dict(policy="window", budget=6, max_new_tokens=5)
+    prompts = ["a prompt longer than the window", "short"]
+    assert scan.generate(prompts, **kw).tokens == tiny_lm.generate(prompts, **kw).tokens
+    with pytest.raises(ValueError, match="'confkv'.*per-layer budgets"):
+        scan.generate("abcdefgh", policy=make_policy("confkv-l", 16, protected=2, int8=False))

@@ -60,6 +60,10 @@ def test_ppl_json_fields(capsys):
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent"),
         (["ppl", "--policy", "full", "--tokens", "1"], "--tokens must be >= 2"),
         (["ppl", "--policy", "full", "--tokens", "8", "--text", "missing.txt"], "missing.txt"),
+        (
+            ["ppl", "--policy", "confkv-l", "--budget", "512", "--scan-layers", "--tokens", "8"],
+            r"--scan-layers: policy 'confkv'.*per-layer budgets",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):

@@ -52,6 +52,19 @@ def test_bench_decode_reports_its_phases(tiny_llama, capsys):
     assert r.first_call_s > r.ms_per_step * r.steps / 1e3
 
 
+def test_bench_decode_scan_layers_runs_the_stacked_cache(tiny_llama):
+    """`scan_layers`: fill, decode and the policy alone over a stacked cache (the layer scan);
+    the bytes are the unrolled run's (a window's live bytes do not depend on the fill's draws)."""
+    config, params = tiny_llama
+    kw = dict(context=128, batch=2, steps=2, budget=32, fill_chunk=64, copy_bytes=1 << 20)
+    want = bench_decode(config, params, make_policy("window", 32), **kw)
+    got = bench_decode(config, params, make_policy("window", 32), scan_layers=True, **kw)
+    assert got.scan_layers and not want.scan_layers
+    assert got.live_kv_bytes == want.live_kv_bytes
+    assert got.physical_kv_bytes == want.physical_kv_bytes
+    assert got.ms_per_step > 0 and got.policy_ms_per_step > 0
+
+
 def test_bench_rejects_ragged_fill(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="multiple of fill_chunk"):

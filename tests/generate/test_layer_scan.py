@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from policy_cases import build
 
+import kvjax.generate._step as step_module
 from kvjax.cache import is_stacked, stack_cache, unstack_cache
-from kvjax.generate import model_step, new_cache
+from kvjax.generate import GenerateConfig, generate, model_step, new_cache, score_tokens
 from kvjax.models import stack_params
 
 CHUNK, PREFILL, DECODE = 8, 20, 5  # 20-token prompt in chunks of 8 (the last one padded)
@@ -76,3 +77,49 @@ def test_per_layer_budgets_cannot_stack(tiny_llama, case):
     config, _ = tiny_llama
     with pytest.raises(ValueError, match="per-layer budgets"):
         new_cache(config, build(case, 24), batch=1, max_len=32, dtype=jnp.float32, stacked=True)
+
+
+@pytest.mark.parametrize("case", ["h2o", "confkv-int8"])  # qevict: test_scanned_layers_equal...
+def test_generate_with_scan_layers_gives_the_unrolled_tokens(tiny_llama, case, monkeypatch):
+    """`GenerateConfig(scan_layers=True)`: the same greedy tokens and per-step live slots as the
+    unrolled loop, through chunked prefill (prompts of two lengths) and decode."""
+    config, params = tiny_llama
+    policy = build(case, 12)
+    scanned = []  # the scanned write is traced (the loop really runs the layer scan)
+    write = step_module.write_stacked
+    monkeypatch.setattr(step_module, "write_stacked", lambda *a: scanned.append(1) or write(*a))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, 21).tolist(), rng.integers(0, 128, 13).tolist()]
+    kw = dict(max_new_tokens=6, chunk_size=8)
+    want = generate(config, params, prompts, policy=policy, gen=GenerateConfig(**kw))
+    gen = GenerateConfig(**kw, scan_layers=True)
+    assert not scanned
+    got = generate(config, stack_params(params), prompts, policy=policy, gen=gen)
+    assert scanned
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.num_generated, want.num_generated)
+    np.testing.assert_array_equal(got.telemetry.live_slots, want.telemetry.live_slots)
+    np.testing.assert_array_equal(got.telemetry.slot_bytes, want.telemetry.slot_bytes)
+
+
+def test_score_tokens_with_scan_layers_gives_the_unrolled_nll(tiny_llama):
+    """Teacher-forced NLL (float32 logits) and live slots through the scanned step, KIVI's
+    low-bit pages included; the per-layer params are stacked by `score_tokens` itself."""
+    config, params = tiny_llama
+    tokens = np.random.default_rng(2).integers(0, 128, (2, 30))
+    kw = dict(policy=build("kivi", 0), chunk=1, segment=16, lengths=[30, 19])
+    want = score_tokens(config, params, tokens, **kw)
+    got = score_tokens(config, params, tokens, **kw, scan_layers=True)
+    assert is_stacked(got.cache) and not is_stacked(want.cache)
+    np.testing.assert_allclose(got.nll, want.nll, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.live_slots, want.live_slots)
+
+
+def test_scan_layers_with_per_layer_budgets_is_one_clear_error(tiny_llama):
+    config, params = tiny_llama
+    policy = build("confkv-l", 24)
+    gen = GenerateConfig(max_new_tokens=2, scan_layers=True)
+    with pytest.raises(ValueError, match=r"scan_layers=True.*'confkv'.*per-layer budgets"):
+        generate(config, params, [[1, 2, 3]], policy=policy, gen=gen)
+    with pytest.raises(ValueError, match=r"scan_layers=True.*'confkv'.*per-layer budgets"):
+        score_tokens(config, params, np.arange(8), policy=policy, scan_layers=True)
