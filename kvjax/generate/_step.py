@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from kvjax.attention import Implementation
 from kvjax.cache import Cache, CacheSpec, is_stacked, layer_at, put_layer, stack_cache
 from kvjax.generate._fit import fit_policy
-from kvjax.models import ModelConfig, Params, forward
+from kvjax.models import ModelConfig, Params, forward, rope_rotation
 from kvjax.policies import Policy
 from kvjax.sharding import constrain_cache
 
@@ -77,21 +77,28 @@ def model_step(
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
+    # Keys a policy moves to new positions (StreamingLLM's positions within the cache) are
+    # turned by the model's RoPE after the write, for the next call's queries.
+    moved = (cache.length + n_valid, rope_rotation(config)) if policy.repositions_keys() else None
     if is_stacked(cache):
-        layers = _write_scanned(policy, cache.layers, out, positions, valid, state)
+        layers = _write_scanned(policy, cache.layers, out, positions, valid, state, moved)
         new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
         return out.logits, new_cache
     layers = policy.write_layers(
         cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
     )
+    if moved is not None:
+        layers = tuple(policy.reposition_keys(layer, *moved) for layer in layers)
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
 
 
-def _write_scanned(policy: Policy, layers, out, positions: Array, valid: Array, state):
+def _write_scanned(policy: Policy, layers, out, positions: Array, valid: Array, state, moved):
     """`policy.write` into every layer of a stacked cache in one `lax.scan`: layer i is sliced
     out of the carried buffers, written, and put back in place (`put_layer`), with `layer_index`
-    a traced int32 (`Policy.scans_layers` says the write allows that)."""
+    a traced int32 (`Policy.scans_layers` says the write allows that). `moved`: None, or the
+    (next position, rotation) of `Policy.reposition_keys`, applied to each layer after its
+    write."""
     if not policy.scans_layers():
         raise ValueError(
             f"policy {policy.name!r} with these settings writes each layer differently "
@@ -101,6 +108,8 @@ def _write_scanned(policy: Policy, layers, out, positions: Array, valid: Array, 
     def body(layers, xs):
         i, k, v, st = xs
         new = policy.write(layer_at(layers, i), k, v, positions, valid, st, state, layer_index=i)
+        if moved is not None:
+            new = policy.reposition_keys(new, *moved)
         return put_layer(layers, new, i), None
 
     n = layers.pos.shape[0]
