@@ -204,11 +204,15 @@ case "${1:-foundation}" in
     cat /tmp/parts/part_* > /tmp/smollm2.gguf
     (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    # SET=FIELD=VALUE passes `--set` to every policy and tags the file names
+    # (POLICIES=streaming SET=position_shift=true: StreamingLLM's positions within the cache)
+    tag=${SET:+_${SET//[^A-Za-z0-9]/_}}; s=(); [ -n "${SET:-}" ] && s=(--set "$SET")
     for pol in ${POLICIES:-window streaming h2o confkv qevict kvpop kivi full}; do
       b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac
-      run stream --model /tmp/smollm2.gguf --policy "$pol" "${b[@]}" --tokens "${TOKENS:-204800}" \
-        --chunk 4096 --segment "${SEGMENT:-1024}" --max-full 8192 --cache-dtype bfloat16 \
-        --out "$OUT/stream_$pol.json" --json > /dev/null 2> "$OUT/stream_$pol.log" &
+      run stream --model /tmp/smollm2.gguf --policy "$pol" "${b[@]}" "${s[@]}" \
+        --tokens "${TOKENS:-204800}" --chunk 4096 --segment "${SEGMENT:-1024}" --max-full 8192 \
+        --cache-dtype bfloat16 --out "$OUT/stream_$pol$tag.json" --json > /dev/null \
+        2> "$OUT/stream_$pol$tag.log" &
     done
     wait
     grep -h "stream \[" "$OUT"/stream_*.log | tail -40 || true ;;

@@ -82,7 +82,8 @@ def check_scan(policy: Policy, args: argparse.Namespace) -> None:
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Hyperparameters given on the command line (--sinks, --int8, --set k=v)."""
+    """Hyperparameters given on the command line (--sinks, --int8, --set k=v; a value is a
+    Python literal, true/false in any case a bool, anything else a string)."""
     kwargs: dict[str, Any] = {}
     if getattr(args, "sinks", None) is not None:
         kwargs["sinks"] = args.sinks
@@ -92,6 +93,9 @@ def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects FIELD=VALUE, got {item!r}")
+        if value.lower() in ("true", "false"):  # --set position_shift=true
+            kwargs[key] = value.lower() == "true"
+            continue
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -21,7 +21,7 @@ from kvjax.cache import (
     stack_cache,
 )
 from kvjax.generate._fit import fit_policy
-from kvjax.models import ModelConfig, Params, forward
+from kvjax.models import ModelConfig, Params, forward, rope_rotation
 from kvjax.policies import Policy
 from kvjax.sharding import constrain_cache
 
@@ -85,15 +85,21 @@ def model_step(
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
+    # Keys a policy moves to new positions (StreamingLLM's positions within the cache) are
+    # turned by the model's RoPE after the write, for the next call's queries.
+    moved = (cache.length + n_valid, rope_rotation(config)) if policy.repositions_keys() else None
     if is_stacked(cache):
         layers = write_stacked(
-            policy, cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
-        )
+            policy, cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state,
+            moved=moved,
+        )  # fmt: skip
         new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
         return out.logits, new_cache
     layers = policy.write_layers(
         cache.layers, out.k_new, out.v_new, positions, valid, out.stats, state
     )
+    if moved is not None:
+        layers = tuple(policy.reposition_keys(layer, *moved) for layer in layers)
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
 
@@ -122,6 +128,8 @@ def write_stacked(
     valid: Array,
     stats: AttnStats,
     state,
+    *,
+    moved=None,
 ) -> LayerCache:
     """`policy.write` into every layer of a stacked cache (the layer-scan counterpart of
     `Policy.write_layers`), with `layer_index` a traced int32: one `jax.vmap` of the write
@@ -134,6 +142,8 @@ def write_stacked(
         positions: [B, T] int32; valid: [B, T] bool.
         stats: AttnStats with a leading [L] axis on every array.
         state: the policy's state for this step (`Policy.begin_step`).
+        moved: None, or the (next position, rotation) of `Policy.reposition_keys`, applied
+            to each layer after its write.
 
     Raises:
         ValueError: the policy cannot scan (`check_scannable`).
@@ -141,7 +151,8 @@ def write_stacked(
     check_scannable(policy, "a stacked cache")
 
     def one(layer, i, k, v, st):
-        return policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
+        new = policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
+        return new if moved is None else policy.reposition_keys(new, *moved)
 
     n = layers.pos.shape[0]
     xs = (jnp.arange(n, dtype=jnp.int32), k_new, v_new, stats)

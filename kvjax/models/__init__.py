@@ -10,7 +10,7 @@ from kvjax.models._config import (
     ModelConfig,
     RopeScaling,
 )
-from kvjax.models._forward import ForwardOutput, forward
+from kvjax.models._forward import ForwardOutput, forward, rope_rotation
 from kvjax.models._params import (
     GPT2Layer,
     GPT2Params,
@@ -38,5 +38,6 @@ __all__ = [
     "RopeScaling",
     "forward",
     "init_params",
+    "rope_rotation",
     "stack_params",
 ]

@@ -7,6 +7,9 @@ use the step's logits (CONF-KV's confidence) and keeps the model ignorant of pol
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -74,6 +77,18 @@ def forward(
     run = _gpt2 if config.arch == Arch.GPT2 else _llama
     out, qs = run(config, params, tokens, positions, valid, cache, attn)
     return out.replace(q=qs) if return_queries else out
+
+
+def rope_rotation(config: ModelConfig) -> Callable[[Array, Array], Array] | None:
+    """The model's RoPE as a rotation of keys, for policies that move cached keys
+    (`Policy.reposition_keys`); None for a model without RoPE (GPT-2's learned positions).
+
+    The result maps (x [B, T, H, D], by [B, T] int32) to x turned by `by` positions with the
+    model's theta and frequency scaling, in x's dtype (computed in float32).
+    """
+    if config.arch == Arch.GPT2:
+        return None
+    return functools.partial(apply_rope, theta=config.rope_theta, scaling=config.rope_scaling)
 
 
 def _split_heads(x: Array, h: int, d: int) -> Array:

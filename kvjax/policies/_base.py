@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -137,6 +137,29 @@ class Policy(abc.ABC):
             state: the policy-wide state after `begin_step`.
             layer_index: which layer (for per-layer budgets).
         """
+
+    def repositions_keys(self) -> bool:
+        """Whether `model_step` calls `reposition_keys` after every write (a policy that moves
+        cached keys to other RoPE positions, e.g. StreamingLLM's positions within the cache)."""
+        return False
+
+    def reposition_keys(
+        self, layer: LayerCache, next_pos: Array, rotate: Callable[[Array, Array], Array]
+    ) -> LayerCache:
+        """Rewrite cached keys before the next call's attention reads them.
+
+        Called by `model_step` after `write`, only when `repositions_keys()`, so a policy that
+        never moves keys needs no model knowledge. Policies see no model: `rotate` is the
+        model's RoPE, given by the caller.
+
+        Args:
+            layer: the layer's cache after this call's write.
+            next_pos: [B] int32 position of the next call's first query (the tokens consumed).
+            rotate: `rotate(x, by)` turns keys x [B, T, Hkv, D] by `by` [B, T] int32 positions
+                (a rotation, so rotate(rotate(x, a), b) = rotate(x, a + b)), in x's dtype.
+        """
+        del next_pos, rotate
+        return layer
 
     def scans_layers(self) -> bool:
         """Whether every layer is written by the same function, `layer_index` only indexing

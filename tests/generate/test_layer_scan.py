@@ -87,7 +87,9 @@ def test_generate_with_scan_layers_gives_the_unrolled_tokens(tiny_llama, case, m
     policy = build(case, 12)
     scanned = []  # the scanned write is traced (the loop really runs the layer scan)
     write = step_module.write_stacked
-    monkeypatch.setattr(step_module, "write_stacked", lambda *a: scanned.append(1) or write(*a))
+    monkeypatch.setattr(
+        step_module, "write_stacked", lambda *a, **kw: scanned.append(1) or write(*a, **kw)
+    )
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 128, 21).tolist(), rng.integers(0, 128, 13).tolist()]
     kw = dict(max_new_tokens=6, chunk_size=8)

@@ -14,6 +14,7 @@ from kvjax.cache import stack_cache
 from kvjax.eval._bench import _decode, _policy_only, cache_sized_shapes, hlo_copies
 from kvjax.generate import new_cache
 from kvjax.models import Arch, ModelConfig, init_params, stack_params
+from kvjax.policies import StreamingPolicy
 
 
 def cache_copies(policy, config, *, model: bool = False, stacked: bool = False) -> list[str]:
@@ -101,3 +102,12 @@ def test_ranked_decode_step_has_one_budget_cond_for_all_layers():
     shapes = re.findall(r"\w+\[[0-9,]*\]", result)
     assert len(shapes) == 3 + 2, shapes
     assert {"s32[3,3,2,2]", "f32[3,2,2]"} <= set(shapes), shapes  # [L, 3, B, H], [L, B, H]
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "layer-scan"])
+def test_position_shift_decode_step_copies_no_cache_sized_array(stacked):
+    # The sink slots' keys are rewritten after every write (StreamingLLM's cache positions):
+    # a slice update of the donated buffer, never a new cache.
+    config = ModelConfig(**{**CONFIG, "num_layers": 2})
+    policy = StreamingPolicy(budget=200, position_shift=True)
+    assert cache_copies(policy, config, model=True, stacked=stacked) == []

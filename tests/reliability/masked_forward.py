@@ -18,6 +18,24 @@ def streaming_mask(s: int, budget: int, sinks: int) -> np.ndarray:
     return (j <= i) & ((j < sinks) | (j > i - (budget - sinks)))
 
 
+def cache_positions(s: int, budget: int, sinks: int) -> tuple[np.ndarray, np.ndarray]:
+    """StreamingLLM's positions within the cache (Xiao et al., 2023, §3.2), written from the
+    paper's rule: the cache holds the sinks 0..sinks-1 and then the R = budget-1-sinks most
+    recent tokens in order; query i sits at cache position min(i, sinks + R), a sink j at j,
+    a recent token at its index in the cache (its position minus the tokens dropped before
+    it, i - min(i, sinks + R)).
+
+    Returns:
+        query_pos [S] and key_pos [S, S] (key j as query i sees it; only entries that
+        `streaming_mask` lets query i see are meaningful) int64.
+    """
+    full = budget - 1  # sinks + R tokens cached
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    query_pos = np.minimum(np.arange(s), full)
+    dropped = i - query_pos[:, None]
+    return query_pos, np.where(j < sinks, j, j - dropped)
+
+
 def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -32,9 +50,22 @@ def _rope(x, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def masked_logits(config, params, tokens, mask: np.ndarray) -> np.ndarray:
+def _rope_at(x, pos, theta):
+    """x: [..., H, D] rotated to positions pos [...] (half-split rotary embedding)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(pos, np.float64)[..., None, None] * inv  # [..., 1, D/2]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate(
+        [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1
+    )
+
+
+def masked_logits(config, params, tokens, mask: np.ndarray, positions=None) -> np.ndarray:
     """[S, V] float64 logits of a Llama-family model over tokens [S] where query i attends the
-    positions j with mask[i, j]."""
+    positions j with mask[i, j]. `positions`: None (token i at RoPE position i), or
+    (query_pos [S], key_pos [S, S]) giving each (query, key) pair its RoPE positions
+    (`cache_positions`; the per-pair keys cost S·S·Hkv·D, for short sequences)."""
     f = lambda a: None if a is None else np.asarray(a, np.float64)
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     g = hq // hkv
@@ -44,11 +75,15 @@ def masked_logits(config, params, tokens, mask: np.ndarray) -> np.ndarray:
     for lp in params.layers:
         h = _rms(x, f(lp.attn_norm), config.norm_eps)
         lin = lambda w, b, h=h: h @ f(w) + (0 if b is None else f(b))
-        q = _rope(lin(lp.wq, lp.bq).reshape(s, hq, d), config.rope_theta)
-        k = _rope(lin(lp.wk, lp.bk).reshape(s, hkv, d), config.rope_theta)
-        v = lin(lp.wv, lp.bv).reshape(s, hkv, d)
-        k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # [S, Hq, D]
-        logits = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(d)
+        q, k = lin(lp.wq, lp.bq).reshape(s, hq, d), lin(lp.wk, lp.bk).reshape(s, hkv, d)
+        v = np.repeat(lin(lp.wv, lp.bv).reshape(s, hkv, d), g, axis=1)  # [S, Hq, D]
+        if positions is None:
+            q, k = _rope(q, config.rope_theta), _rope(k, config.rope_theta)
+            logits = np.einsum("ihd,jhd->hij", q, np.repeat(k, g, axis=1)) / np.sqrt(d)
+        else:
+            q = _rope_at(q, positions[0], config.rope_theta)
+            k = _rope_at(np.broadcast_to(k, (s, *k.shape)), positions[1], config.rope_theta)
+            logits = np.einsum("ihd,ijhd->hij", q, np.repeat(k, g, axis=2)) / np.sqrt(d)
         logits = np.where(mask[None], logits, -np.inf)
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -62,9 +97,9 @@ def masked_logits(config, params, tokens, mask: np.ndarray) -> np.ndarray:
     return x @ head
 
 
-def masked_nll(config, params, tokens, mask: np.ndarray) -> np.ndarray:
+def masked_nll(config, params, tokens, mask: np.ndarray, positions=None) -> np.ndarray:
     """[S-1] float64 NLL of tokens 1..S-1 under `masked_logits`."""
-    logits = masked_logits(config, params, tokens, mask)[:-1]
+    logits = masked_logits(config, params, tokens, mask, positions)[:-1]
     m = logits.max(-1, keepdims=True)
     logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     return -logp[np.arange(len(tokens) - 1), np.asarray(tokens)[1:]]
