@@ -73,12 +73,12 @@ def add_scan_arg(p: argparse.ArgumentParser) -> None:
 
 
 def check_scan(policy: Policy, args: argparse.Namespace) -> None:
-    """With --scan-layers, one clear error (exit 2) for a policy that cannot scan its layers."""
-    if getattr(args, "scan_layers", False) and not policy.scans_layers():
-        raise ValueError(
-            f"--scan-layers: policy {policy.name!r} with these settings has per-layer budgets "
-            "(pyramid), so its layers cannot share one scanned step; drop --scan-layers"
-        )
+    """With --scan-layers, one clear error (exit 2) for a policy that cannot scan its layers
+    (the library's own check, run before the model loads)."""
+    if getattr(args, "scan_layers", False):
+        from kvjax.generate._step import check_scannable  # the library, only when asked
+
+        check_scannable(policy, "--scan-layers")
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
