@@ -102,7 +102,7 @@ case "${1:-foundation}" in
     # bytes), one process per row: ms/step, policy ms and first_call_s of the scanned step
     # (EXTRA: more flags for every row, e.g. EXTRA="--set write_kernel=xla" ROWS=confkv)
     for row in ${ROWS:-full confkv qevict}; do
-      budget=(); case $row in confkv) budget=(--budget 12650) ;; qevict) budget=(--budget 6554) ;; esac
+      budget=(--budget 6554); case $row in confkv) budget=(--budget 12650) ;; full|kivi) budget=() ;; esac
       timeout "${ROW_TIMEOUT:-75}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
         --dtype bfloat16 --policy $row ${budget[*]} --contexts 32768 --batch ${BATCH:-8} \
         --steps ${STEPS:-16} --copy-mib 4096 --attention pallas --scan-layers ${EXTRA:-} \

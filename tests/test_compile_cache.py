@@ -12,8 +12,10 @@ import pytest
 
 from kvjax._compile_cache import (
     ENV_VAR,
+    SCAN_XLA_FLAG,
     default_cache_dir,
     enable_compilation_cache,
+    prefer_cublas_for_scan,
     resolve_cache_dir,
 )
 from kvjax.cli import main
@@ -136,3 +138,28 @@ def test_bad_locations_fail_with_one_line(capsys, tmp_path):
         assert code == 2 and err.count("\n") == 1 and "compilation cache" in err, err
     with pytest.raises(TypeError, match="compilation cache location"):
         resolve_cache_dir(3)
+
+
+@pytest.mark.parametrize(
+    "before, after, added",
+    [
+        (None, SCAN_XLA_FLAG, True),
+        ("--xla_dump_to=/tmp/d", f"--xla_dump_to=/tmp/d {SCAN_XLA_FLAG}", True),
+        # the user's own choice of the option is kept, whatever its value
+        ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm=true", False),
+    ],
+)
+def test_scan_prefers_cublas_unless_the_user_chose(monkeypatch, before, after, added):
+    if before is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", before)
+    assert prefer_cublas_for_scan() is added
+    assert os.environ["XLA_FLAGS"] == after
+
+
+def test_cli_scan_layers_sets_the_flag_before_running(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    parser_args = ["generate", "--scan-layers", "--prompt", "hi", "--model", "/nonexistent.gguf"]
+    assert main(parser_args) == 2  # the missing model file; the flag was set before
+    assert SCAN_XLA_FLAG in os.environ["XLA_FLAGS"]

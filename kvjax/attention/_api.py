@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kvjax.attention._types import AttnStats
 from kvjax.attention._xla import attend_xla
-from kvjax.cache import LayerCache
+from kvjax.cache import LayerCache, StackedLayer
 from kvjax.sharding import active_layout
 
 Array = jax.Array
@@ -27,7 +27,7 @@ def resolve_implementation(implementation: str, platform: str | None = None) -> 
 
 def attend(
     q: Array,
-    layer: LayerCache,
+    layer: LayerCache | StackedLayer,
     k_new: Array,
     v_new: Array,
     q_pos: Array,
@@ -42,7 +42,9 @@ def attend(
 
     Args:
         q: [B, T, Hq, D] queries after RoPE.
-        layer: the layer's slot cache (tokens strictly before this call's).
+        layer: the layer's slot cache (tokens strictly before this call's), or a
+            `StackedLayer` (a layer scan's): the Pallas decode path then reads its full and
+            INT8 tiers in the stack, in place; every other path reads the layer sliced out.
         k_new: [B, T, Hkv, D] this call's keys after RoPE.
         v_new: [B, T, Hkv, D] this call's values.
         q_pos: [B, T] int32 positions of this call's tokens.
@@ -61,6 +63,8 @@ def attend(
     Returns:
         (out [B, T, Hq, D], AttnStats).
     """
+    stacked = layer if isinstance(layer, StackedLayer) else None
+    layer = stacked.get() if stacked is not None else layer
     b, t, hq, d = q.shape
     hkv = layer.num_kv_heads
     if hq % hkv:
@@ -85,7 +89,10 @@ def attend(
         # A pooled layer (adakv) has a Triton kernel (GPU; the interpreter on CPU), not a TPU
         # one, and is not sharded: those take the XLA path.
         if layer.head is None or (layout is None and default_backend() != "tpu"):
-            return attend_pallas(*args, scale=scale, need_mass=need_mass)
+            in_place = stacked is not None and layer.head is None and default_backend() != "tpu"
+            return attend_pallas(
+                *args, scale=scale, need_mass=need_mass, stacked=stacked if in_place else None
+            )
     if implementation in ("xla", "pallas"):
         return attend_xla(*args, scale=scale)
     raise ValueError(

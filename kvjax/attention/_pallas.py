@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
-from kvjax.cache import LayerCache
+from kvjax.cache import LayerCache, StackedLayer
 from kvjax.pallas_kernels.decode_attention import (
     FullTier,
     Int8Tier,
@@ -59,6 +59,7 @@ def attend_pallas(
     scale: float,
     need_mass: bool = True,
     seq_axis: str | None = None,
+    stacked: StackedLayer | None = None,
 ) -> tuple[Array, AttnStats]:
     """`attend_xla`'s contract for T == 1, through the Pallas kernels.
 
@@ -73,6 +74,9 @@ def attend_pallas(
         need_mass: compute the per-slot mass (else the kernels write no logits; zeros).
         seq_axis: inside `shard_map` with the slot axis split over this mesh axis: merge the
             devices' partial attentions (all-gather of [B, Hkv, G, D] partials, not of K/V).
+        stacked: None, or the StackedLayer that `layer` was sliced from (a layer scan): the
+            full and INT8 tiers' kernels then read the stack in place (`layer=`), so no slice
+            of theirs is copied; the low-bit tier still reads its slice.
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -87,11 +91,13 @@ def attend_pallas(
     if layer.head is not None:  # one pool read once for every head (`_triton_pooled.py`)
         full = PooledTier(layer.k, layer.v, layer.pos, layer.head, _extent(layer.pos >= 0))
     else:
-        full = FullTier(layer.k, layer.v, layer.pos, layer.live_extent())
+        src = stacked.stack if stacked is not None else layer  # the stack: read in place
+        full = FullTier(src.k, src.v, src.pos, layer.live_extent())
     int8 = lowbit = None
     if layer.int8 is not None:
-        t8 = layer.int8
-        int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, _extent(t8.pos >= 0))
+        t8 = stacked.stack.int8 if stacked is not None else layer.int8
+        extent8 = _extent(layer.int8.pos >= 0)
+        int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, extent8)
     if layer.lowbit is not None:
         lb = layer.lowbit
         extent = _extent(jnp.any(lb.pos >= 0, axis=-1))
@@ -109,6 +115,7 @@ def attend_pallas(
         backend=backend or "triton",
         return_logits=need_mass,
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
+        layer=stacked.index if stacked is not None else None,
     )
     if seq_axis is not None:
         gather = lambda x: jax.lax.all_gather(x, seq_axis, axis=2)  # [B, Hkv, S, G(, D)]

@@ -12,6 +12,7 @@ from kvjax.cache._bytes import (
 )
 from kvjax.cache._ops import write_slots
 from kvjax.cache._stack import (
+    StackedLayer,
     is_stacked,
     layer_at,
     num_layers,
@@ -39,6 +40,7 @@ __all__ = [
     "Int8Tier",
     "LayerCache",
     "LowBitTier",
+    "StackedLayer",
     "attended_slots_per_layer",
     "init_cache",
     "is_stacked",

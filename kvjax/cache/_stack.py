@@ -10,7 +10,7 @@ times.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -82,3 +82,22 @@ def put_layer(stacked: Any, layer: Any, i: Array) -> Any:
         stacked,
         layer,
     )
+
+
+class StackedLayer(NamedTuple):
+    """Layer `index` of a stacked LayerCache, not sliced out: what a layer scan hands attention,
+    so that kernels which take the stack (the dense Triton decode kernels, `layer=`) read the
+    layer in place; everything else reads `get()`, a slice (which XLA fuses into its readers,
+    but must copy for a kernel's operand).
+
+    Attributes:
+        stack: the stacked LayerCache (leading [L] axis on every array).
+        index: int32 scalar, the layer.
+    """
+
+    stack: LayerCache
+    index: Array
+
+    def get(self) -> LayerCache:
+        """The layer sliced out of the stack."""
+        return layer_at(self.stack, self.index)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvjax._compile_cache import ENV_VAR, default_cache_dir, enable_compilation_cache
+from kvjax._compile_cache import (
+    ENV_VAR,
+    default_cache_dir,
+    enable_compilation_cache,
+    prefer_cublas_for_scan,
+)
 from kvjax.cli import (
     _bench,
     _compare,
@@ -68,6 +73,8 @@ def _leaf_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentPars
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvjax` command. Bad input exits with status 2 and one clear line."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "scan_layers", False):
+        prefer_cublas_for_scan()  # before anything starts the GPU backend
     try:
         enable_compilation_cache(args.compilation_cache)
         return args.func(args)

@@ -16,7 +16,7 @@ from flax import struct
 
 from kvjax._numerics import einsum_f32
 from kvjax.attention import AttnStats, Implementation, attend
-from kvjax.cache import Cache, is_stacked, stack_trees
+from kvjax.cache import Cache, StackedLayer, is_stacked, num_layers, stack_trees
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
 from kvjax.models._params import GPT2Params, LlamaParams, Params
@@ -103,8 +103,9 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn
     q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
     k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
     v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
-    k = k.astype(layer_cache.k.dtype)
-    v = v.astype(layer_cache.v.dtype)
+    kv = layer_cache.stack if isinstance(layer_cache, StackedLayer) else layer_cache
+    k = k.astype(kv.k.dtype)
+    v = v.astype(kv.v.dtype)
     o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.norm_eps)
@@ -120,8 +121,9 @@ def _gpt2_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn)
     h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
     qkv = dense(h, lp.w_qkv, lp.b_qkv)
     q, k, v = (_split_heads(a, hq, d) for a in jnp.split(qkv, 3, axis=-1))
-    k = k.astype(layer_cache.k.dtype)
-    v = v.astype(layer_cache.v.dtype)
+    kv = layer_cache.stack if isinstance(layer_cache, StackedLayer) else layer_cache
+    k = k.astype(kv.k.dtype)
+    v = v.astype(kv.v.dtype)
     o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
     h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
@@ -131,7 +133,8 @@ def _gpt2_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn)
 
 def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
     """Every block in order: unrolled over a per-layer cache, a `lax.scan` over a stacked one
-    (its layer compiled once; the layer's cache is a slice of the scanned input, read only).
+    (its layer compiled once; each block gets a `StackedLayer`, the stack and its index, read
+    only, so attention kernels that take the stack read it in place).
     Returns x and (qs, ks, vs, stats): tuples per layer, or stacked [L, ...] arrays."""
     run = lambda x, lp, lc: block(config, lp, lc, x, *args)  # args: positions, valid, attn
     if not is_stacked(cache):
@@ -145,7 +148,9 @@ def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
         return x, tuple(tuple(o) for o in zip(*outs, strict=True))
     if isinstance(param_layers, tuple):  # per-layer params: stacked here, i.e. once per call
         param_layers = stack_trees(param_layers, "the model's layer parameters")
-    return jax.lax.scan(lambda x, xs: run(x, *xs), x, (param_layers, cache.layers))
+    n = num_layers(cache)
+    body = lambda x, xs: run(x, xs[0], StackedLayer(cache.layers, xs[1]))
+    return jax.lax.scan(body, x, (param_layers, jnp.arange(n, dtype=jnp.int32)))
 
 
 def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):

@@ -49,6 +49,7 @@ def decode_attention(
     interpret: bool = False,
     block_k: int | None = None,
     num_splits: int | None = None,
+    layer: Array | None = None,
 ) -> DecodeResult:
     """One decode query per sequence attending a layer's full, INT8 and low-bit tiers.
 
@@ -64,11 +65,20 @@ def decode_attention(
         interpret: run the kernels in the Pallas interpreter (CPU).
         block_k: slots per loop step of every tier's kernel (default: tuned per device and tier).
         num_splits: splits per (sequence, KV head) (default: fill the chip).
+        layer: None, or an int32 scalar: the full and INT8 tiers' slot arrays are then stacks
+            [L, B, Hkv, ...] read at this layer in place (`decode_attention_triton`'s `layer`;
+            GPU backends only, dense tiers run by the Triton kernels); the low-bit tier is
+            per layer as always.
 
     A PooledTier as `full` (one slot pool shared by the KV heads) runs the pooled Triton kernel
     (`decode_attention_pooled_triton`; GPU backends only, no other tier): its logits are
     [B, Hkv, G, P], -inf on the slots other KV heads own.
     """
+    if layer is not None and (backend not in ("triton", "mosaic") or isinstance(full, PooledTier)):
+        raise ValueError(
+            "decode attention: layer= (a stacked tier read in place) runs the GPU dense kernels "
+            f"only, not backend {backend!r} or a PooledTier; slice the layer out instead"
+        )
     if isinstance(full, PooledTier):
         if backend not in ("triton", "mosaic"):
             raise ValueError(
@@ -104,9 +114,12 @@ def decode_attention(
     knobs = dict(scale=scale, return_logits=return_logits, interpret=interpret)
     if backend != "tpu":
         dense = functools.partial(_gpu_dense, dense, backend=backend)
-    parts = [dense(q, full, q_pos, block_k=block_k, num_splits=num_splits, **knobs)]
+    tiling = dict(block_k=block_k, num_splits=num_splits)
+    if layer is not None:  # a stacked dense tier (the low-bit tier is always per layer)
+        tiling["layer"] = layer
+    parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
-        parts.append(dense(q, int8, q_pos, block_k=block_k, num_splits=num_splits, **knobs))
+        parts.append(dense(q, int8, q_pos, **tiling, **knobs))
     if lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
         paged = dict(block_k=block_k) if backend != "tpu" else {}
@@ -116,12 +129,15 @@ def decode_attention(
     return DecodeResult(out, lse, logits)
 
 
-def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, **kw):
+def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, **kw):
     """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
-    device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton."""
+    device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton (always
+    for a stacked tier, `layer`)."""
     from kvjax.pallas_kernels.decode_attention import _mgpu
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
+    if layer is not None:
+        return triton_fn(q, tier, q_pos, layer, block_k=block_k, **kw)
     check_query(q, q_pos)
     check_dense(tier, q)
     tune = tuning_for()

@@ -74,6 +74,36 @@ def finish(o: Array | list[Array], m: Array, l: Array, o_ref, lse_ref, group: in
         store_rows(o_ref, oc * inv[:, None], group, pl.ds(c * w, w))
 
 
+class _Lead:
+    """ref[lead] (leading scalar indices) for Triton's lowering, which takes one indexer per
+    load: `view.at[ix]` is `ref.at[(*lead, *ix)]`, `view.shape` the trailing axes."""
+
+    def __init__(self, ref, lead: tuple):
+        self.ref, self.lead = ref, lead
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ref.shape[len(self.lead) :]
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    @property
+    def at(self):
+        return self
+
+    def __getitem__(self, ix):
+        ix = ix if isinstance(ix, tuple) else (ix,)
+        return self.ref.at[(*self.lead, *ix)]
+
+
+def stacked_rows(layer_ref, batch: int, *refs):
+    """Views of stacked [L·B, Hkv, ...] refs at this program's (layer·B + sequence, KV head)."""
+    lead = (layer_ref[()] * batch + pl.program_id(0), pl.program_id(1))
+    return [_Lead(r, lead) for r in refs]
+
+
 def _kernel(
     extent_ref,  # [] int32 one past the last occupied slot of this (sequence, KV head)
     qpos_ref,  # [] int32 position of the query
@@ -92,13 +122,21 @@ def _kernel(
     group: int,
     return_logits: bool,
     pool_group: int = 0,
+    stacked_batch: int = 0,
 ):
     # pool_group > 0: the slots are a pool shared by KV heads (`_triton_pooled.py`), q holds
     # every query head, row r belongs to KV head r // pool_group and sees only that head's slots.
+    # stacked_batch = B > 0: the slot arrays are a layer stack [L·B, Hkv, ...] and a last input
+    # ref holds the layer to read (a layer scan hands the stack over without slicing it).
     if pool_group:
         head_ref, *refs = refs
     if quantized:
         ks_ref, vs_ref, *refs = refs
+    if stacked_batch:
+        layer_ref, *refs = refs
+        k_ref, v_ref, pos_ref = stacked_rows(layer_ref, stacked_batch, k_ref, v_ref, pos_ref)
+        if quantized:
+            ks_ref, vs_ref = stacked_rows(layer_ref, stacked_batch, ks_ref, vs_ref)
     o_ref, lse_ref, *logits_ref = refs
     cap, d = k_ref.shape
     gp = q_ref.shape[0]
@@ -258,6 +296,7 @@ def decode_attention_triton(
     q: Array,
     tier: FullTier | Int8Tier,
     q_pos: Array,
+    layer: Array | None = None,
     *,
     scale: float,
     block_k: int | None = None,
@@ -288,12 +327,16 @@ def decode_attention_triton(
             bytes in registers (4 value dots of D/4 channels), so no code is loaded from shared
             memory one byte at a time; default from the device's Tuning.
         interpret: run the kernel in the Pallas interpreter (CPU tests).
+        layer: None, or a traced int32 scalar: the tier's k, v, pos (and scales) are then a
+            stack [L, B, Hkv, ...] of L layers (extent stays this layer's [B, Hkv]) and the
+            kernel reads layer `layer` in place, where slicing it out would copy it (a layer
+            scan over a stacked cache). Not checked against L: the caller's loop index.
 
     Returns:
         Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G], logits [B, Hkv, G, C] or None.
     """
     check_query(q, q_pos)
-    check_dense(tier, q)
+    tier = _unstack(tier, layer, q)
     tune = tuning_for()
     quantized = isinstance(tier, Int8Tier)
     if int8_qk and not quantized:
@@ -326,6 +369,12 @@ def decode_attention_triton(
     if quantized:
         arrays += [tier.k_scale, tier.v_scale]
         specs += [head_spec(cap), head_spec(cap)]
+    if layer is not None:  # [L, B, Hkv, ...] → [L·B, Hkv, ...] (free), read whole by the views
+        for i in range(3, len(arrays)):
+            arrays[i] = arrays[i].reshape(-1, *arrays[i].shape[2:])
+            specs[i] = pl.BlockSpec(arrays[i].shape, lambda *_, n=arrays[i].ndim: (0,) * n)
+        arrays.append(jnp.asarray(layer, jnp.int32))
+        specs.append(pl.BlockSpec((), lambda *_: ()))
     kernel = functools.partial(
         _kernel,
         quantized=quantized,
@@ -336,6 +385,7 @@ def decode_attention_triton(
         num_splits=splits,
         group=group,
         return_logits=return_logits,
+        stacked_batch=b if layer is not None else 0,
     )
     res = launch(
         kernel,
@@ -356,3 +406,22 @@ def decode_attention_triton(
         out = res.out.reshape(b_, h_, s_, g_, 4, d_ // 4).swapaxes(-1, -2).reshape(res.out.shape)
         res = res._replace(out=out)
     return res
+
+
+def _unstack(tier, layer, q):
+    """The tier checked against q (`check_dense`), its slot arrays' leading [L] axis removed
+    from the check when `layer` is given; returns the tier as given."""
+    if layer is None:
+        check_dense(tier, q)
+        return tier
+    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"decode attention: layer must be an integer scalar, got {layer!r}")
+    lead = {getattr(a, "shape", (None,))[0] for f, a in tier._asdict().items() if f != "extent"}
+    if len(lead) != 1 or any(getattr(a, "ndim", 0) < 2 for a in tier):
+        raise ValueError(
+            "decode attention: with layer=, every slot array of the tier needs one leading "
+            f"[L] axis of the same size, got leading sizes {sorted(map(str, lead))}"
+        )
+    view = lambda f, a: a if f == "extent" else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+    check_dense(type(tier)(**{f: view(f, a) for f, a in tier._asdict().items()}), q)
+    return tier

@@ -18,9 +18,10 @@ from kvjax.models import stack_params
 CHUNK, PREFILL, DECODE = 8, 20, 5  # 20-token prompt in chunks of 8 (the last one padded)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(config, policy, params, cache, tokens):
-    """Chunked prefill of tokens[:, :PREFILL], then greedy decode; all logits and the cache."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def _run(config, policy, params, cache, tokens, impl="auto"):
+    """Chunked prefill of tokens[:, :PREFILL], then greedy decode; all logits and the cache.
+    impl: the attention implementation of the decode steps."""
     b = tokens.shape[0]
     outs = []
     for s in range(0, PREFILL, CHUNK):
@@ -31,7 +32,8 @@ def _run(config, policy, params, cache, tokens):
 
     def body(carry, _):
         cache, tok = carry
-        logits, cache = model_step(config, policy, params, cache, tok, jnp.ones((b, 1), bool))
+        one = jnp.ones((b, 1), bool)
+        logits, cache = model_step(config, policy, params, cache, tok, one, implementation=impl)
         return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits[:, 0]
 
     tok = tokens[:, PREFILL - 1 : PREFILL]
@@ -42,18 +44,23 @@ def _run(config, policy, params, cache, tokens):
 CASES = ["h2o", "confkv-int8", "qevict", "kvpop"]  # ranked, tiered INT8, low-bit routing, scorer
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_scanned_layers_equal_the_unrolled_step(tiny_llama, case):
+@pytest.mark.parametrize(
+    "case, impl", [*((c, "auto") for c in CASES), ("confkv-int8", "pallas"), ("qevict", "pallas")]
+)
+def test_scanned_layers_equal_the_unrolled_step(tiny_llama, case, impl):
+    # impl "pallas": decode attention by the Pallas kernels (interpreted here), which read the
+    # full and INT8 tiers of the scanned layer in the stack itself (`StackedLayer`) and
+    # QEvict's low-bit tier as a slice.
     config, params = tiny_llama
     # Budgets below the 25 tokens: every policy evicts (or quantizes); QEvict needs room for a
     # window beside its sinks and band.
     policy = build(case, 16 if case == "qevict" else 12)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, PREFILL + CHUNK)), jnp.int32)
     cache = new_cache(config, policy, batch=2, max_len=32, dtype=jnp.float32)
-    want_logits, want_cache = _run(config, policy, params, cache, tokens)
+    want_logits, want_cache = _run(config, policy, params, cache, tokens, impl)
     stacked = new_cache(config, policy, batch=2, max_len=32, dtype=jnp.float32, stacked=True)
     assert is_stacked(stacked)
-    got_logits, got_cache = _run(config, policy, stack_params(params), stacked, tokens)
+    got_logits, got_cache = _run(config, policy, stack_params(params), stacked, tokens, impl)
     assert is_stacked(got_cache)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
     got, want = jax.tree.leaves(unstack_cache(got_cache)), jax.tree.leaves(want_cache)

@@ -1,0 +1,92 @@
+"""The dense Triton kernel reading one layer of a stacked cache in place (`layer=`): equal to the
+same kernel on that layer sliced out and to the float64 oracle, with the layer a traced index
+(a layer scan's loop counter); it lowers for the H200; bad stacks get one clear error."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_cases import Case, make_tiers, oracle
+
+from kvjax.eval._kernel_ir import abstract_tiers, export_cuda
+from kvjax.pallas_kernels.decode_attention import FullTier, combine, decode_attention_triton
+
+L = 3
+
+
+def _stack(tiers):
+    """The tiers' slot arrays stacked along a new leading axis; extents stay per layer."""
+    first = tiers[0]
+    return type(first)(
+        **{
+            f: (getattr(first, f) if f == "extent" else jnp.stack([getattr(t, f) for t in tiers]))
+            for f in first._fields
+        }
+    )
+
+
+@pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
+@pytest.mark.parametrize("logits", [False, True])
+def test_stacked_layer_equals_the_sliced_layer_and_float64(tiers, logits):
+    case = Case("bfloat16", tiers, ratio=4, head_dim=32)
+    made = [make_tiers(case, seed) for seed in range(L)]
+    q, q_pos = made[1][0], made[1][1]
+    pick = 3 if tiers == "fp+int8" else 2  # FullTier or Int8Tier of each layer
+    layers = [m[pick] for m in made]
+    # every layer's extent is layer 1's, so the stack can carry one extent
+    layers = [t._replace(extent=layers[1].extent) for t in layers]
+    stacked = _stack(layers)
+    kw = dict(scale=0.3, block_k=16, num_splits=2, return_logits=logits, interpret=True)
+    run = jax.jit(lambda i: decode_attention_triton(q, stacked, q_pos, i, **kw))
+    got = run(jnp.int32(1))
+    want = decode_attention_triton(q, layers[1], q_pos, **kw)
+    np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
+    if logits:
+        np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(want.logits))
+    out, lse = combine([got])
+    if pick == 2:
+        full, int8 = layers[1], None
+    else:  # the oracle's full tier left empty: only the INT8 slots are attended
+        f = made[1][2]
+        full, int8 = f._replace(pos=jnp.full_like(f.pos, -1), extent=0 * f.extent), layers[1]
+    o64, lse64, _, _ = oracle(q, q_pos, full, int8, None, None, 0.3)
+    np.testing.assert_allclose(np.asarray(out), o64, rtol=0, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(lse), lse64, rtol=0, atol=3e-2)
+    other = run(jnp.int32(0))  # another layer really is another answer
+    assert not np.allclose(np.asarray(other.out), np.asarray(got.out))
+
+
+@pytest.mark.parametrize("tier", ["bf16", "int8"])
+def test_stacked_layer_kernel_lowers_for_h200(tier):
+    # Triton's lowering takes one indexer per load: the layer view must fold its leading
+    # indices into the kernel's own.
+    sds = jax.ShapeDtypeStruct
+    full, int8, _ = abstract_tiers(2, 8, 128, 1000, 1000, 20, 32, 32, 2, jnp.bfloat16)
+    data = full if tier == "bf16" else int8
+    grow = lambda f, a: a if f == "extent" else sds((4, *a.shape), a.dtype)
+    stack = type(data)(**{f: grow(f, a) for f, a in data._asdict().items()})
+    fn = functools.partial(
+        decode_attention_triton, scale=0.1, block_k=64, num_splits=4, return_logits=True
+    )
+    q, q_pos, layer = sds((2, 8, 4, 128), jnp.bfloat16), sds((2,), jnp.int32), sds((), jnp.int32)
+    text = export_cuda(fn, q, stack, q_pos, layer)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_stacked_layer_bad_inputs_raise_clear_errors():
+    case = Case("bfloat16", "fp", ratio=2, head_dim=32)
+    q, q_pos, full, _, _ = make_tiers(case, 0)
+    kw = dict(scale=0.3, interpret=True)
+    with pytest.raises(ValueError, match="FullTier.pos"):  # a per-layer tier given a layer
+        decode_attention_triton(q, full, q_pos, jnp.int32(0), **kw)
+    stacked = _stack([full, full])
+    bad = FullTier(stacked.k, stacked.v[:1], stacked.pos, stacked.extent)
+    with pytest.raises(ValueError, match="leading"):
+        decode_attention_triton(q, bad, q_pos, jnp.int32(0), **kw)
+    with pytest.raises(ValueError, match="integer scalar"):
+        decode_attention_triton(q, stacked, q_pos, jnp.zeros((2,), jnp.int32), **kw)
