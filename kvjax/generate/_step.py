@@ -6,6 +6,8 @@ These are the pure building blocks for users who write their own jitted loops; `
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -207,10 +209,15 @@ def new_cache(
             are written (per-layer budgets: pyramidkv, confkv with `pyramid`).
     """
     policy = fit_policy(policy, config)
-    cache = policy.empty_cache(
-        cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
-    )
+    spec = cache_spec_for(config, policy, batch=batch, max_len=max_len, dtype=dtype)
     if not stacked:
-        return cache
+        return policy.empty_cache(spec)
     check_scannable(policy, "new_cache(stacked=True)")
-    return stack_cache(cache)
+    return _empty_stacked(policy, spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_stacked(policy: Policy, spec) -> Cache:
+    """The empty cache stacked, built in one computation: only the stack is allocated (stacked
+    eagerly, the per-layer buffers and the stack would both be live: twice the cache)."""
+    return stack_cache(policy.empty_cache(spec))
