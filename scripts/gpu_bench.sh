@@ -216,5 +216,29 @@ case "${1:-foundation}" in
     done
     wait
     grep -h "stream \[" "$OUT"/stream_*.log | tail -40 || true ;;
+  stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
+    # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's
+    # command buffers — CUDA graphs, also of while loops — may cut it): variants "base"
+    # (no flags), "graphs" (command buffers for fusions, GEMMs, custom calls), "graphs+while"
+    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
+    cat /tmp/parts/part_* > /tmp/smollm2.gguf
+    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    pol=${POLICY:-streaming}; b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac
+    cb="--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+    for variant in ${VARIANTS:-base graphs graphs+while}; do
+      case $variant in
+        base) flags="" ;;
+        graphs) flags="$cb" ;;
+        graphs+while) flags="$cb,WHILE,CONDITIONAL" ;;
+        *) echo "unknown variant $variant" >&2; exit 2 ;;
+      esac
+      XLA_FLAGS="$flags" timeout "${ROW_TIMEOUT:-150}" bash -c "$(declare -f run); run stream \
+        --model /tmp/smollm2.gguf --policy $pol ${b[*]} --tokens ${TOKENS:-16384} --chunk 4096 \
+        --segment ${SEGMENT:-1024} --max-full 8192 --cache-dtype bfloat16 --compilation-cache off \
+        --out $OUT/stream_flags_${pol}_$variant.json --json" > /dev/null \
+        2> "$OUT/stream_flags_${pol}_$variant.log" || echo "variant $variant: exit $?"
+      grep -h "stream \[" "$OUT/stream_flags_${pol}_$variant.log" | tail -2 | sed "s/^/$variant: /" || true
+    done ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac
