@@ -65,7 +65,10 @@ from kvjax.eval._ppl import PplResult, essay_tokens, run_ppl
 from kvjax.eval._press import Pressed, press_context
 from kvjax.eval._ruler import (
     RulerRow,
+    adakv_presses,
     check_ruler_args,
+    check_ruler_policies,
+    ruler_policy,
     ruler_summary,
     run_ruler,
     write_ruler_outputs,
@@ -94,7 +97,10 @@ __all__ = [
     "RulerRow",
     "RulerSample",
     "build_sample",
+    "adakv_presses",
     "check_ruler_args",
+    "check_ruler_policies",
+    "ruler_policy",
     "ruler_summary",
     "run_ruler",
     "string_match_all",

@@ -6,6 +6,7 @@ kvpress-style plot (score vs compression ratio, one line per policy)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Callable, Sequence
@@ -18,8 +19,10 @@ from kvjax.generate import GenerateConfig, generate_from_cache
 from kvjax.policies import (
     BUDGETLESS,
     NEEDS_LAYERS,
+    POLICIES,
     RECONSTRUCT_CONTINUE,
     RECONSTRUCT_PROMPT,
+    Policy,
     make_policy,
 )
 from kvjax.weights import LoadedModel
@@ -58,6 +61,51 @@ def check_ruler_args(
         raise ValueError(f"samples must be >= 1, got {samples}")
 
 
+ADAKV_PREFIX = "adakv-"  # `adakv-<press>`: adakv over that press (as `kvjax compare`'s rows)
+
+
+@functools.cache
+def adakv_presses() -> tuple[str, ...]:
+    """The registry names `adakv` can wrap (fixed-budget full-precision ranked policies): those
+    it accepts at a budget every press takes."""
+    ok = []
+    for name in sorted(POLICIES):
+        try:
+            make_policy("adakv", 4096, press=name, num_layers=2)
+        except ValueError:
+            continue
+        ok.append(name)
+    return tuple(ok)
+
+
+def check_ruler_policies(names: Sequence[str]) -> None:
+    """Raise ValueError (one line) for the first name that is neither a registry policy nor
+    `adakv-<press>` with a press adakv wraps."""
+    for name in names:
+        if name.startswith(ADAKV_PREFIX):
+            press = name[len(ADAKV_PREFIX) :]
+            if press not in adakv_presses():
+                raise ValueError(
+                    f"policy {name!r}: {press!r} is not a press adakv wraps; choose one of "
+                    f"{list(adakv_presses())}"
+                )
+        elif name not in POLICIES:
+            raise ValueError(
+                f"unknown policy {name!r}; choose one of {sorted(POLICIES)} or adakv-<press> "
+                f"with a press from {list(adakv_presses())}"
+            )
+
+
+def ruler_policy(name: str, budget: int, num_layers: int) -> Policy:
+    """The policy a `kvjax ruler` name stands for at `budget`: a registry name, or
+    `adakv-<press>` (adakv over `press`, each with its defaults)."""
+    check_ruler_policies([name])
+    if name.startswith(ADAKV_PREFIX):
+        return make_policy("adakv", budget, press=name[len(ADAKV_PREFIX) :], num_layers=num_layers)
+    kw = {"num_layers": num_layers} if name in NEEDS_LAYERS else {}
+    return make_policy(name, budget, **kw)
+
+
 def kvzip_ids(model: LoadedModel) -> dict[str, list[int]]:
     """KVzip's reconstruction prompts and the chat's assistant head, tokenized."""
     tok = model.tokenizer
@@ -78,10 +126,9 @@ def answer(
     if policy_name in BUDGETLESS or ratio == 0:
         policy = make_policy("full")
     else:
-        kw = {"num_layers": cfg.num_layers} if policy_name in NEEDS_LAYERS else {}
         # A budget N caches N - 1 tokens (it counts the attended current token): N - 1 =
         # int((1 - ratio) * s), the tokens kvpress keeps.
-        policy = make_policy(policy_name, max(2, int(s * (1 - ratio)) + 1), **kw)
+        policy = ruler_policy(policy_name, max(2, int(s * (1 - ratio)) + 1), cfg.num_layers)
     pressed = press_context(
         cfg,
         model.params,
@@ -125,7 +172,8 @@ def run_ruler(
     on_sample: Callable[[str], None] | None = None,
 ) -> list[RulerRow]:
     """Every policy × ratio × task × length, `samples` seeded prompts each ("full" runs once,
-    at ratio 0)."""
+    at ratio 0). A policy is a registry name or `adakv-<press>` (`ruler_policy`)."""
+    check_ruler_policies(policies)
     check_ruler_args(tasks, lengths, ratios, samples)
     rows = []
     for task in tasks:

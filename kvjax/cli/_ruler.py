@@ -9,12 +9,19 @@ from kvjax.cli._common import add_model_args, emit, load
 
 
 def register(sub) -> None:
-    from kvjax.eval import RULER_TASKS
+    from kvjax.eval import RULER_TASKS, adakv_presses
 
     p = sub.add_parser(
         "ruler", help="RULER-style synthetic tasks, kvpress's compress-once protocol"
     )
-    p.add_argument("--policy", nargs="+", default=["full", "snapkv"], help="policies to compare")
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        default=["full", "snapkv"],
+        help="policies to compare: registry names (`adakv` wraps snapkv) or adakv-PRESS, adakv "
+        "over PRESS with both their defaults (e.g. adakv-snapkv adakv-kvzip; PRESS one of "
+        f"{' '.join(adakv_presses())})",
+    )
     p.add_argument(
         "--ratios",
         type=float,
@@ -42,12 +49,15 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from kvjax.eval import check_ruler_args, ruler_summary, run_ruler, write_ruler_outputs
-    from kvjax.policies import POLICIES
+    from kvjax.eval import (
+        check_ruler_args,
+        check_ruler_policies,
+        ruler_summary,
+        run_ruler,
+        write_ruler_outputs,
+    )
 
-    for name in args.policy:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    check_ruler_policies(args.policy)
     check_ruler_args(args.tasks, args.lengths, args.ratios, args.samples)
     model = load(args)
     per = len(args.tasks) * len(args.lengths) * args.samples

@@ -8,6 +8,12 @@ Differences from kvpress, both from kvjax keeping decisions per KV head: kvpress
 over heads so that every head keeps the same chunks (here each KV head picks its own), and it
 keeps whole chunks only (int(chunks × (1 − ratio)) of them), where the budget here is exact: the
 chunk at the boundary keeps its best-scored tokens.
+
+Chunks are scored only when a prompt chunk of several tokens is merged; decode (one token per
+call) is frozen as in SnapKV. On a stream of one-token calls and no prefill (teacher-forced
+perplexity, `kvjax compare`) nothing is ever scored: the first `budget − 1 − window` tokens and
+the window stay, exactly as in `pyramidkv` with the same window and its pyramid off
+(docs/policies.md, "Prefill-time presses on one-token streams").
 """
 
 from __future__ import annotations

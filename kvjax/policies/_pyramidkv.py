@@ -7,7 +7,14 @@ Layer l of L keeps round(max − l·(max − min)/(L − 1)) tokens, where min =
 max = 2N − min for the mean budget N (window included), so the layers' mean is N. As in kvpress,
 budgets too small for the pyramid (the smallest layer's share would not exceed the window) fall
 back to SnapKV's flat N; kvpress's other fallback (max > prompt length) needs the prompt length,
-which a bounded cache does not know: its slots would only stay empty.
+which a bounded cache does not know: its slots would only stay empty. At the defaults the
+pyramid is on from N = 1291 (round(N/20) > 64); below, this is SnapKV with window 64.
+
+Decode (one token per call) is frozen as in SnapKV: on a stream of one-token calls and no
+prefill (teacher-forced perplexity, `kvjax compare`) each layer keeps its first
+`max_budget(l) − 1 − window` tokens and the window, so with the pyramid off it keeps exactly
+what `chunkkv` with the same window does (docs/policies.md, "Prefill-time presses on one-token
+streams").
 """
 
 from __future__ import annotations

@@ -64,6 +64,15 @@ def test_ppl_json_fields(capsys):
             ["ppl", "--policy", "confkv-l", "--budget", "512", "--scan-layers", "--tokens", "8"],
             r"--scan-layers: policy 'confkv'.*per-layer budgets",
         ),
+        (  # adakv over a base press, spelled adakv-PRESS; a bad PRESS is named with the choices
+            ["ruler", "--policy", "full", "adakv-nope", "--lengths", "512"],
+            r"policy 'adakv-nope': 'nope' is not a press adakv wraps; choose one of \[.*'snapkv'",
+        ),
+        (
+            ["ruler", "--policy", "adakv-confkv"],
+            r"'confkv' is not a press adakv wraps; choose one of \['chunkkv'.*'tova'\]$",
+        ),
+        (["ruler", "--policy", "nope"], r"unknown policy 'nope'; .* or adakv-<press>"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):

@@ -11,12 +11,15 @@ import pytest
 from kvjax.cli import main
 from kvjax.eval import (
     RULER_TASKS,
+    adakv_presses,
     build_sample,
+    ruler_policy,
     ruler_summary,
     run_ruler,
     string_match_all,
     write_ruler_outputs,
 )
+from kvjax.policies import AdaKVPolicy, make_policy
 from kvjax.weights import LoadedModel, Tokenizer
 from kvjax.weights._locate import default_model_path
 
@@ -106,6 +109,34 @@ def test_bad_input_is_named(tok):
     assert main(["ruler", "--ratios", "1.5"]) == 2
 
 
+@pytest.mark.parametrize("press", ["snapkv", "kvzip", "pyramidkv", "keydiff"])
+def test_adakv_press_is_spelled_in_the_policy_name(press):
+    """`adakv-PRESS` = adakv over PRESS at the ruler's budget, each with its own defaults (the
+    same policy as `make_policy("adakv", N, press=PRESS)`), the model's layer count passed on
+    (PyramidKV's pyramid is on at N = 2000: round(2000 / 20) > its window 64)."""
+    got = ruler_policy(f"adakv-{press}", 2000, 4)
+    assert isinstance(got, AdaKVPolicy) and got.press.name == press
+    assert got == make_policy("adakv", 2000, press=press, num_layers=4)
+    assert got.press == make_policy(press, 2000, num_layers=4)
+    budgets = [got.max_budget(li) for li in range(4)]
+    assert (budgets[0] > budgets[-1]) == (press == "pyramidkv")
+    assert ruler_policy(press, 2000, 4) == got.press  # the plain names are unchanged
+    assert ruler_policy("adakv", 2000, 4).press.name == "snapkv"  # adakv's default press
+
+
+def test_adakv_presses_are_the_ones_it_wraps():
+    """Every listed press builds under adakv; every other budgeted registry name is refused by
+    AdaKVPolicy itself (tiered, budget-adaptive, own writes, or not ranked)."""
+    from kvjax.policies import BUDGETLESS, POLICIES
+
+    assert {"snapkv", "kvzip", "expected", "h2o"} <= set(adakv_presses())
+    for name in sorted(set(POLICIES) - set(adakv_presses()) - BUDGETLESS - {"adakv"}):
+        with pytest.raises(ValueError, match="AdaKVPolicy"):
+            AdaKVPolicy(press=make_policy(name, 4096, num_layers=2))
+        with pytest.raises(ValueError, match=f"'{name}' is not a press adakv wraps"):
+            ruler_policy(f"adakv-{name}", 4096, 2)
+
+
 def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
     """The pipeline on the tiny random model (its answers are noise): rows per policy × ratio,
     each score = string_match_all of its own answers; JSON and PNG written."""
@@ -122,7 +153,7 @@ def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
             return tok.apply_chat_template(messages)
 
     model = LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
-    names = ["full", "snapkv", "kvzip", "adakv"]
+    names = ["full", "snapkv", "kvzip", "adakv", "adakv-kvzip"]
     rows = run_ruler(model, names, tasks=["niah_single_1"], lengths=[300],
                      ratios=[0.5], samples=1, max_new_tokens=4)  # fmt: skip
     assert [(r.policy, r.ratio) for r in rows] == [("full", 0.0)] + [(n, 0.5) for n in names[1:]]

@@ -233,3 +233,69 @@ def test_pyramid_budgets_are_kvpress_formula(n, beta, window, layers):
         want = [n] * layers
     assert [policy.max_budget(li) for li in range(layers)] == want
     assert policy.capacities(layers, 10**6) == tuple(cached_tokens(w) for w in want)
+
+
+# --- when ChunkKV and PyramidKV coincide ------------------------------------------------------
+# pool 1: max-pooling makes equal votes, which the NumPy reference and the engine may order
+# differently (neither rule says which of two equal votes to keep)
+_TWINS = {"window": 3, "observation": 4, "pool": 1}
+
+
+def twins(num_layers=4, beta=20.0):
+    """ChunkKV and PyramidKV at one budget and window (PyramidKV flat: 12/β <= window)."""
+    return (make_policy("chunkkv", 12, chunk=3, **_TWINS),
+            make_policy("pyramidkv", 12, beta=beta, num_layers=num_layers, **_TWINS))  # fmt: skip
+
+
+def first_and_last(policy, steps, layer=0):
+    """What a frozen-decode policy keeps after `steps` one-token calls and no prefill: the first
+    cached(N) − W positions (never evicted: nothing is ever scored) and the last W."""
+    ranked = cached_tokens(policy.max_budget(layer)) - policy.ring
+    return set(range(min(ranked, steps))) | set(range(max(0, steps - policy.ring), steps))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunkkv_and_pyramidkv_coincide_on_one_token_calls(seed):
+    """Teacher-forced perplexity feeds one token per call (`kvjax compare`, chunk=1): with no
+    prefill merge neither press ever scores, so both keep the first tokens and the window —
+    the same set per step whatever the votes, hence equal perplexities."""
+    chunk_kv, pyramid_kv = twins()
+    assert [pyramid_kv.max_budget(li) for li in range(4)] == [12] * 4  # the pyramid collapsed
+    steps = 30
+    masses = np.random.default_rng(seed).random((steps, H, steps)).astype(np.float32)
+    chunks = [range(p, p + 1) for p in range(steps)]
+    got_c = run_snap(chunk_kv, masses, chunks, 0, 1)
+    got_p = run_snap(pyramid_kv, masses, chunks, 0, 4)
+    assert got_c == simulate_snap(chunk_kv, masses, chunks, 0)
+    for i, (c, p) in enumerate(zip(got_c, got_p, strict=True)):
+        assert c == p == [first_and_last(chunk_kv, i + 1)] * H, f"call {i}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunkkv_and_pyramidkv_differ_after_a_prefill_merge(seed):
+    """Prefill chunks of several tokens: ChunkKV ranks whole chunks by their mean pooled vote,
+    PyramidKV (flat here) ranks tokens by their own pooled vote: different kept sets, each its
+    NumPy reference."""
+    chunk_kv, pyramid_kv = twins()
+    prefill = 40
+    chunks = [range(s, min(s + 8, prefill)) for s in range(0, prefill, 8)]
+    masses = np.random.default_rng(seed).random((len(chunks), H, prefill)).astype(np.float32)
+    got_c = run_snap(chunk_kv, masses, chunks, 0, 1)
+    got_p = run_snap(pyramid_kv, masses, chunks, 0, 4)
+    assert got_c == simulate_snap(chunk_kv, masses, chunks, 0)
+    assert got_p == simulate_snap(pyramid_kv, masses, chunks, 0)
+    assert got_c != got_p
+
+
+def test_pyramidkv_differs_on_one_token_calls_when_its_pyramid_is_on():
+    """With N/β above the window the layers' budgets differ (lower layers more, same mean), so
+    even on one-token calls PyramidKV's layers keep different first-token prefixes."""
+    _, pyramid_kv = twins(beta=2.0)
+    budgets = [pyramid_kv.max_budget(li) for li in range(4)]
+    assert budgets[0] > budgets[-1] and abs(np.mean(budgets) - 12) <= 1
+    steps = 30
+    masses = np.random.default_rng(0).random((steps, H, steps)).astype(np.float32)
+    chunks = [range(p, p + 1) for p in range(steps)]
+    kept = [run_snap(pyramid_kv, masses, chunks, li, 4)[-1] for li in (0, 3)]
+    assert kept == [[first_and_last(pyramid_kv, steps, li)] * H for li in (0, 3)]
+    assert kept[0] != kept[1]
