@@ -336,7 +336,7 @@ def decode_attention_triton(
         Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G], logits [B, Hkv, G, C] or None.
     """
     check_query(q, q_pos)
-    tier = _unstack(tier, layer, q)
+    _check_tier(tier, layer, q)
     tune = tuning_for()
     quantized = isinstance(tier, Int8Tier)
     if int8_qk and not quantized:
@@ -408,12 +408,12 @@ def decode_attention_triton(
     return res
 
 
-def _unstack(tier, layer, q):
-    """The tier checked against q (`check_dense`), its slot arrays' leading [L] axis removed
-    from the check when `layer` is given; returns the tier as given."""
+def _check_tier(tier, layer, q) -> None:
+    """`check_dense` of the tier against q; with `layer`, of one layer of the stack (the slot
+    arrays' leading [L] axis checked, then left out)."""
     if layer is None:
         check_dense(tier, q)
-        return tier
+        return
     if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
         raise ValueError(f"decode attention: layer must be an integer scalar, got {layer!r}")
     lead = {getattr(a, "shape", (None,))[0] for f, a in tier._asdict().items() if f != "extent"}
@@ -424,4 +424,3 @@ def _unstack(tier, layer, q):
         )
     view = lambda f, a: a if f == "extent" else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
     check_dense(type(tier)(**{f: view(f, a) for f, a in tier._asdict().items()}), q)
-    return tier
