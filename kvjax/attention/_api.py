@@ -89,10 +89,7 @@ def attend(
         # A pooled layer (adakv) has a Triton kernel (GPU; the interpreter on CPU), not a TPU
         # one, and is not sharded: those take the XLA path.
         if layer.head is None or (layout is None and default_backend() != "tpu"):
-            in_place = stacked is not None and layer.head is None and default_backend() != "tpu"
-            return attend_pallas(
-                *args, scale=scale, need_mass=need_mass, stacked=stacked if in_place else None
-            )
+            return attend_pallas(*args, scale=scale, need_mass=need_mass, stacked=stacked)
     if implementation in ("xla", "pallas"):
         return attend_xla(*args, scale=scale)
     raise ValueError(

@@ -74,9 +74,10 @@ def attend_pallas(
         need_mass: compute the per-slot mass (else the kernels write no logits; zeros).
         seq_axis: inside `shard_map` with the slot axis split over this mesh axis: merge the
             devices' partial attentions (all-gather of [B, Hkv, G, D] partials, not of K/V).
-        stacked: None, or the StackedLayer that `layer` was sliced from (a layer scan): the
-            full and INT8 tiers' kernels then read the stack in place (`layer=`), so no slice
-            of theirs is copied; the low-bit tier still reads its slice.
+        stacked: None, or the StackedLayer that `layer` was sliced from (a layer scan): on
+            the GPU (and in the interpreter) the full and INT8 tiers' kernels then read the
+            stack in place (`layer=`), so no slice of theirs is copied; the low-bit tier, a
+            pooled layer and the TPU kernels read the slice.
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -88,6 +89,8 @@ def attend_pallas(
     qg = q[:, 0].reshape(b, hkv, hq // hkv, d)
     qp = q_pos[:, 0]
     backend = default_backend()
+    if layer.head is not None or backend == "tpu":  # their kernels take a layer, not a stack
+        stacked = None
     if layer.head is not None:  # one pool read once for every head (`_triton_pooled.py`)
         full = PooledTier(layer.k, layer.v, layer.pos, layer.head, _extent(layer.pos >= 0))
     else:

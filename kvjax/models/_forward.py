@@ -103,9 +103,7 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn
     q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
     k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
     v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
-    kv = layer_cache.stack if isinstance(layer_cache, StackedLayer) else layer_cache
-    k = k.astype(kv.k.dtype)
-    v = v.astype(kv.v.dtype)
+    k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.norm_eps)
@@ -121,14 +119,18 @@ def _gpt2_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn)
     h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
     qkv = dense(h, lp.w_qkv, lp.b_qkv)
     q, k, v = (_split_heads(a, hq, d) for a in jnp.split(qkv, 3, axis=-1))
-    kv = layer_cache.stack if isinstance(layer_cache, StackedLayer) else layer_cache
-    k = k.astype(kv.k.dtype)
-    v = v.astype(kv.v.dtype)
+    k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo, lp.bo)
     h = layer_norm(x, lp.ln2_g, lp.ln2_b, config.norm_eps)
     x = x + dense(gelu_tanh(dense(h, lp.w_fc, lp.b_fc)), lp.w_proj, lp.b_proj)
     return x, (q, k, v, st)
+
+
+def _to_cache_dtype(layer_cache, k, v):
+    """This call's k, v in the dtypes of the layer's cache (a LayerCache or a StackedLayer)."""
+    kv = layer_cache.stack if isinstance(layer_cache, StackedLayer) else layer_cache
+    return k.astype(kv.k.dtype), v.astype(kv.v.dtype)
 
 
 def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
