@@ -9,7 +9,7 @@ from kvjax.cli._common import add_model_args, emit, load
 
 
 def register(sub) -> None:
-    from kvjax.eval import RULER_TASKS, adakv_presses
+    from kvjax.eval import RULER_TASKS
 
     p = sub.add_parser(
         "ruler", help="RULER-style synthetic tasks, kvpress's compress-once protocol"
@@ -19,8 +19,8 @@ def register(sub) -> None:
         nargs="+",
         default=["full", "snapkv"],
         help="policies to compare: registry names (`adakv` wraps snapkv) or adakv-PRESS, adakv "
-        "over PRESS with both their defaults (e.g. adakv-snapkv adakv-kvzip; PRESS one of "
-        f"{' '.join(adakv_presses())})",
+        "over PRESS with both their defaults (e.g. adakv-snapkv adakv-kvzip; a PRESS adakv "
+        "cannot wrap is refused with the list of those it can)",
     )
     p.add_argument(
         "--ratios",
