@@ -21,6 +21,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
 # Run from /tmp so the repo folder does not shadow the staged package.
 run() { echo "+ kvjax $*"; (cd /tmp && python3 -m kvjax "$@"); }
+# The embedded GGUF at /tmp/smollm2.gguf from its two parts (one stashed by an earlier call in
+# /tmp/parts, the other carried now), checked against its SHA-256.
+reassemble_gguf() {
+  cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
+  cat /tmp/parts/part_* > /tmp/smollm2.gguf
+  (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+}
 case "${1:-foundation}" in
   foundation)
     run bench decode --preset Llama-3-8B --dtype bfloat16 --policy full window --budget 4096 \
@@ -152,9 +159,7 @@ case "${1:-foundation}" in
   stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)
-    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
-    cat /tmp/parts/part_* > /tmp/smollm2.gguf
-    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    reassemble_gguf
     export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls, no TF32, as on CPU
     M=/tmp/smollm2.gguf
     FINAL=$OUT
@@ -200,9 +205,7 @@ case "${1:-foundation}" in
   stream-par)  # the long-stream evaluation with POLICIES run at once, one process each sharing
     # the GPU (no preallocation); JSON and a stderr log per policy straight under $OUT, so a
     # run cut by its time limit still returns every finished policy and each one's last chunk
-    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
-    cat /tmp/parts/part_* > /tmp/smollm2.gguf
-    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    reassemble_gguf
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
     # SET=FIELD=VALUE passes `--set` to every policy and tags the file names
     # (POLICIES=streaming SET=position_shift=true: StreamingLLM's positions within the cache)
@@ -220,9 +223,7 @@ case "${1:-foundation}" in
     # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's
     # command buffers — CUDA graphs, also of while loops — may cut it): variants "base"
     # (no flags), "graphs" (command buffers for fusions, GEMMs, custom calls), "graphs+while"
-    cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
-    cat /tmp/parts/part_* > /tmp/smollm2.gguf
-    (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
+    reassemble_gguf
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
     pol=${POLICY:-streaming}; b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac
     cb="--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
