@@ -37,7 +37,8 @@ case "${1:-foundation}" in
     run bench decode --preset SmolLM2-135M --dtype bfloat16 --policy full window --budget 256 \
       --contexts 1024 4096 --batch 1 --steps 64 --copy-mib 4096 --out "$OUT/decode_smollm2.json"
     ;;
-  kernel)  # compiled (not interpreted) kernel tests, then `bench kernel` (+ SWEEP knob grid)
+  kernel)  # compiled (not interpreted) kernel tests, then `bench kernel` (+ SWEEP knob grid;
+    # KERNEL_ARGS: more `bench kernel` arguments, e.g. "--page 64 --value-group 128")
     if [ -z "${SKIP_TESTS:-}" ]; then
       # cuda first (the default backend), cpu for the TPU-interpreter cases' host callbacks.
       # Compiling is CPU-bound: with pytest-xdist on the image, 8 workers share the GPU
@@ -62,7 +63,8 @@ case "${1:-foundation}" in
       --rows ${ROWS:-copy pallas-bf16 pallas-int8 pallas-int4 pallas-int2 pallas-int4-f32stats \
       pallas-int2-f32stats pallas-bf16+logits mgpu-bf16 mgpu-int8 mgpu-bf16+logits cudnn-bf16 \
       xla-bf16 xla-dequant-int8} \
-      ${SWEEP:+--sweep $SWEEP --sweep-rows ${SWEEP_ROWS:-pallas-bf16}} --out "$OUT/kernel.json" \
+      ${SWEEP:+--sweep $SWEEP --sweep-rows ${SWEEP_ROWS:-pallas-bf16}} ${KERNEL_ARGS:-} \
+      --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"
     ;;
   decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context, one process per row

@@ -3,9 +3,9 @@
 `Cache.layers` is either a tuple of LayerCache (one per layer, the unrolled step) or one
 LayerCache whose every array has a leading [L] axis (a *stacked* cache). A model step over a
 stacked cache runs its layers' forward in a `lax.scan` and their writes as one `jax.vmap` over
-the stack (`kvjax.generate.write_stacked`; QEvict's in a scan that slices layer i out and puts
-it back), in place (`tests/policies/test_in_place.py`), and compiles its layer once, not L
-times.
+the stack (`kvjax.generate.write_stacked`; QEvict's as one routing cond and one pair of move
+loops for all layers), in place (`tests/policies/test_in_place.py`), and compiles its layer
+once, not L times.
 """
 
 from __future__ import annotations
@@ -73,15 +73,6 @@ def unstack_cache(cache: Cache) -> Cache:
 def layer_at(stacked: Any, i: Array) -> Any:
     """Layer i (a traced int32 scalar) of a stacked pytree."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
-
-
-def put_layer(stacked: Any, layer: Any, i: Array) -> Any:
-    """The stacked pytree with layer i replaced by `layer` (in place on a dead carry)."""
-    return jax.tree.map(
-        lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0),
-        stacked,
-        layer,
-    )
 
 
 class StackedLayer(NamedTuple):

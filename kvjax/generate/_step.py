@@ -18,8 +18,6 @@ from kvjax.cache import (
     CacheSpec,
     LayerCache,
     is_stacked,
-    layer_at,
-    put_layer,
     stack_cache,
 )
 from kvjax.generate._fit import fit_policy
@@ -134,9 +132,9 @@ def write_stacked(
     moved=None,
 ) -> LayerCache:
     """`policy.write` into every layer of a stacked cache (the layer-scan counterpart of
-    `Policy.write_layers`), with `layer_index` a traced int32: one `jax.vmap` of the write
-    over the layers where `Policy.vmaps_layers`, else a `lax.scan` in which layer i is sliced
-    out of the carried buffers, written, and put back (`put_layer`).
+    `Policy.write_layers`): `Policy.write_stack`, by default one `jax.vmap` of the write over
+    the layers (QEvict's: one routing cond and one pair of move loops for all layers), each
+    scatter writing the stacked buffers in place.
 
     Args:
         layers: the stacked LayerCache (leading [L] axis on every array).
@@ -151,23 +149,10 @@ def write_stacked(
         ValueError: the policy cannot scan (`check_scannable`).
     """
     check_scannable(policy, "a stacked cache")
-
-    def one(layer, i, k, v, st):
-        new = policy.write(layer, k, v, positions, valid, st, state, layer_index=i)
-        return new if moved is None else policy.reposition_keys(new, *moved)
-
-    n = layers.pos.shape[0]
-    xs = (jnp.arange(n, dtype=jnp.int32), k_new, v_new, stats)
-    if policy.vmaps_layers():
-        # Each scatter writes the stacked buffer itself (a batching dimension for L), where a
-        # scan slices a layer out (a layer-sized copy) and puts it back.
-        return jax.vmap(one)(layers, *xs)
-
-    def body(layers, xs):
-        i = xs[0]
-        return put_layer(layers, one(layer_at(layers, i), *xs), i), None
-
-    return jax.lax.scan(body, layers, xs)[0]
+    new = policy.write_stack(layers, k_new, v_new, positions, valid, stats, state)
+    if moved is None:
+        return new
+    return jax.vmap(lambda layer: policy.reposition_keys(layer, *moved))(new)
 
 
 def cache_spec_for(

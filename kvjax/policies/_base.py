@@ -167,12 +167,31 @@ class Policy(abc.ABC):
         traced int32 (`kvjax.cache.stack_cache`). Per-layer budgets override this to False."""
         return True
 
-    def vmaps_layers(self) -> bool:
-        """Whether a stacked cache's layers may be written by one `jax.vmap` of `write` (its
-        scatters then write the stacked buffers in place) rather than a `lax.scan` (which
-        slices each layer out and back: a layer-sized copy each way). False for a write whose
-        loops have per-layer trip counts: vmapped, every round would select the whole stack."""
-        return True
+    def write_stack(
+        self,
+        layers: LayerCache,
+        k_new: Array,
+        v_new: Array,
+        pos_new: Array,
+        valid: Array,
+        stats: AttnStats,
+        state: Any,
+    ) -> LayerCache:
+        """`write` into every layer of a stacked LayerCache (every array with a leading [L]
+        axis; k_new, v_new, stats too), with `layer_index` a traced int32.
+
+        By default one `jax.vmap` of `write` over the stack: each scatter writes the stacked
+        buffer itself, with L as a batching dimension (a layer scan would slice each layer out
+        and back, a layer-sized copy each way). A policy whose write runs loops overrides this
+        so that the loops run once for all layers (QEvict); the result must equal `write`
+        layer by layer.
+        """
+        n = layers.pos.shape[0]
+
+        def one(layer, i, k, v, st):
+            return self.write(layer, k, v, pos_new, valid, st, state, layer_index=i)
+
+        return jax.vmap(one)(layers, jnp.arange(n, dtype=jnp.int32), k_new, v_new, stats)
 
     def write_layers(
         self,

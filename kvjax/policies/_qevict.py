@@ -24,7 +24,7 @@ import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
 from kvjax.policies._base import Policy, cached_tokens
-from kvjax.policies._qevict_move import MoveJob, apply_moves
+from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
 from kvjax.quant import BITS
 
@@ -162,9 +162,6 @@ class QEvictPolicy(Policy):
         """Windows that have left the band once n tokens are cached."""
         return jnp.maximum(n - self.sinks - self.local_band, 0) // self.window
 
-    def vmaps_layers(self) -> bool:
-        return False  # its data-movement loops run per-layer rounds (`apply_moves`)
-
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del layer_index
         return self.write_layers([layer], [k_new], [v_new], pos_new, valid, [stats], state)[0]
@@ -184,6 +181,29 @@ class QEvictPolicy(Policy):
         routed = self._route_all(pres)
         jobs = [self._job(pre, st, plan) for pre, (st, plan) in zip(pres, routed, strict=True)]
         return apply_moves(jobs, moves=self.moves)
+
+    def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
+        """`write_layers` over a stacked cache (leading [L] axis): the per-layer parts vmapped
+        over the stack (the scatters write the stacked buffers in place) and, as unrolled, one
+        routing cond and one pair of move loops for all layers (`apply_moves_stacked`)."""
+        del state
+        lay = self.layout(layers.k.shape[-1], layers.k.dtype)
+        pre = jax.vmap(
+            lambda layer, k, v, st: self._before_route(layer, k, v, pos_new, valid, st)._replace(
+                lay=None
+            )
+        )(layers, k_new, v_new, stats)
+        n, b, h, kk = pre.nwin.shape
+        win, event = pre.win[0], pre.event[0]  # positions only: equal in every layer
+        one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
+        empty = empty_plan(b, h, lay, kk, self.moves)
+        stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
+        skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
+        st, plan = jax.lax.cond(
+            jnp.any(event), lambda ops: jax.vmap(one)(*ops), skip, (pre.st, pre.new_score)
+        )
+        jobs = jax.vmap(lambda p, s, pl: self._job(p, s, pl))(pre, st, plan)
+        return apply_moves_stacked(jobs, lay, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,

@@ -110,6 +110,43 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     )
 
 
+def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
+    """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
+    [L] axis on each array (`lay`, static, given apart). The same two loops, each round one
+    `jax.vmap` over the layers, so the scatters write the stacked buffers in place and the
+    trip counts are the most rounds of any layer (a layer past its rounds drops its writes).
+
+    Returns:
+        The stacked layers with codes, K/V, positions and scores moved.
+    """
+    layer = job.layer
+    # Each loop sees only what it reads: the quantize rounds the full-precision K/V (not
+    # written there), the promote rounds only the shapes of the arrays they carry.
+    fixed = job._replace(layer=layer.replace(lowbit=None))
+    with_lay = lambda j: j._replace(lay=lay)
+    quantize = jax.vmap(
+        lambda j, lb, r: _quantize_round(with_lay(j), r, lb, moves), in_axes=(0, 0, None)
+    )
+    lb = jax.lax.fori_loop(
+        0, jnp.max(job.plan.rounds_q), lambda r, lb: quantize(fixed, lb, r), layer.lowbit
+    )
+    lb, (k, v) = jax.lax.optimization_barrier((lb, (layer.k, layer.v)))
+
+    def promote_one(j, lb, carry, r):
+        j = with_lay(j._replace(layer=j.layer.replace(k=carry[0], v=carry[1], pos=carry[2])))
+        return _promoter(j, lb, moves)(r, carry)
+
+    promote = jax.vmap(promote_one, in_axes=(0, 0, 0, None))
+    slim = job._replace(layer=layer.replace(k=None, v=None, pos=None, score=None, lowbit=None))
+    k, v, pos, score = jax.lax.fori_loop(
+        0,
+        jnp.max(job.plan.rounds_fp),
+        lambda r, c: promote(slim, lb, c, r),
+        (k, v, layer.pos, layer.score),
+    )
+    return layer.replace(k=k, v=v, pos=pos, score=score, lowbit=lb)
+
+
 def _pick(resident, new, idx, n_res):
     """Entry idx [B, H, n] of (resident ‖ new): resident is a function of indices in
     [0, n_res), new is [B, H, K, ...]."""

@@ -57,8 +57,9 @@ def test_model_decode_step_copies_no_cache_sized_array(case):
 
 @pytest.mark.parametrize("case", ["full", "qevict"])  # the plainest and the busiest write
 def test_layer_scan_decode_step_copies_no_cache_sized_array(case):
-    # Two layers in a lax.scan: each is sliced out of the carried stack, read by attention,
-    # written by the policy and put back; XLA must do all of it in place.
+    # Two layers in a lax.scan over the stacked cache, read by attention in the scan and written
+    # by the policy over the whole stack (QEvict: one cond and one pair of move loops for both
+    # layers); XLA must do all of it in place.
     config = ModelConfig(**{**CONFIG, "num_layers": 2})
     assert cache_copies(build(case, 200), config, model=True, stacked=True) == []
 
