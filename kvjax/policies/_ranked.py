@@ -189,6 +189,51 @@ class RankedPolicy(Policy):
             return super().write_layers(layers, k_new, v_new, pos_new, valid, stats, state)
         return self._apply(self._decode_plans(layers, k_new, v_new, pos_new, valid, stats, state))
 
+    def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
+        """A decode step over a stacked cache as `write_layers` plans it: the per-layer work
+        vmapped over the stack and one budget-shrink cond for all layers (`_shrink_stacked`).
+        Under a plain vmap of `write` that cond's predicate is per layer, so it would become a
+        select that runs the eviction's sort on every step. Other writes: the default vmap."""
+        if type(self).write is not RankedPolicy.write or k_new.shape[2] != 1:
+            return super().write_stack(layers, k_new, v_new, pos_new, valid, stats, state)
+        lis = jnp.arange(layers.pos.shape[0], dtype=jnp.int32)
+        cur3 = pos_new[:, 0][:, None, None]
+        b = pos_new.shape[0]
+        if not self.frozen_in_decode:
+            scored = lambda ly, st, li: self._scored(ly, st, cur3, state, li)
+            layers = jax.vmap(scored)(layers, stats, lis)
+        budgets = jax.vmap(lambda li: self.ranked_budget(state, li, b)[:, None])(lis)
+        layers, now = self._shrink_stacked(layers, budgets, cur3, lis)
+
+        def one(ly, k, v, st, li, budget, nw):
+            plan = self._decode_plan(ly, k, v, pos_new, valid, st, state, li, budget, nw)
+            return self._apply([plan])[0]
+
+        return jax.vmap(one)(layers, k_new, v_new, stats, lis, budgets, now)
+
+    def _shrink_stacked(self, layers, budgets, cur3, lis):
+        """`_shrink` over a stacked cache (budgets [L, B, 1], lis [L]): the layers and their
+        ranked regions' `slot_stats` (each [L, B, H]) after any eviction, under one cond."""
+        ranked = jax.vmap(self._ranked)(layers)
+        prios = jax.vmap(lambda r, li: self._prio(r, cur3, li))(ranked, lis)  # [L, B, H, M]
+        sizes = [ranked.pos.shape[-1]] * len(lis)
+        stats = lambda pos: _stacked_slot_stats(pos, [], sizes, padded_prio=prios)
+        now = stats(ranked.pos)
+        over = jnp.any(now[0][:, 0] > budgets, axis=(1, 2))  # [L]: some head is over budget
+
+        def evict(pos):
+            out = jnp.where(over[:, None, None, None] & ~_keep_top(prios, pos, budgets), -1, pos)
+            return out, stats(out)
+
+        pos, (ints, lows) = jax.lax.cond(jnp.any(over), evict, lambda p: (p, now), ranked.pos)
+
+        def put_pos(ly, pos):
+            if self.int8:
+                return ly.replace(int8=ly.int8.replace(pos=pos))
+            return ly.replace(pos=jax.lax.dynamic_update_slice_in_dim(ly.pos, pos, self.ring, 2))
+
+        return jax.vmap(put_pos)(layers, pos), (ints[:, 0], ints[:, 1], lows, ints[:, 2])
+
     def _apply(self, plans) -> tuple:
         """The layers with their planned slot writes done: one kernel launch for all of them
         (write_kernel "pallas") or XLA scatters per layer."""

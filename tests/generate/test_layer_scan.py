@@ -148,3 +148,62 @@ def test_stacked_empty_cache_allocates_only_the_stack(tiny_llama):
     stack_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(compiled.out_info))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < stack_bytes / 4, (temp, stack_bytes)
+
+
+@pytest.mark.parametrize("case", ["confkv", "confkv-int8", "h2o", "qevict"])
+def test_stacked_write_equals_the_per_layer_write(case):
+    """`write_stack` over three stacked layers equals `write_layers` layer by layer, through a
+    prefill and decode writes; confkv's decode turns confident (tight budget) after a loose
+    prefill, so its one cond for all layers evicts (the branch a vmapped `write` would run as a
+    select)."""
+    from kvjax.attention import AttnStats
+    from kvjax.cache import stack_trees
+
+    policy = build(case, 16)
+    b, h, d, n_layers = 2, 2, 8, 3
+    spec = policy.cache_spec(
+        batch=b, num_layers=n_layers, num_kv_heads=h, head_dim=d, max_len=64, dtype=jnp.float32
+    )
+    layers = policy.empty_cache(spec).layers
+    stacked = stack_trees(layers, "layers")
+    rng = np.random.default_rng(0)
+    loose = policy.init_state(b)
+    tight = jnp.ones_like(loose) if case.startswith("confkv") else loose
+
+    def inputs(t, layer):
+        kv = lambda: jnp.asarray(rng.normal(size=(n_layers, b, t, h, d)), jnp.float32)
+        mass = lambda *s: jnp.asarray(rng.random((n_layers, *s)), jnp.float32)
+        lowbit = layer.lowbit
+        stats = AttnStats(
+            slot_mass=mass(b, h, layer.capacity),
+            new_mass=mass(b, h, t),
+            lse=mass(b, t, 2 * h),
+            int8_mass=None if layer.int8 is None else mass(b, h, layer.int8.pos.shape[-1]),
+            lowbit_mass=None if lowbit is None else mass(b, h, *lowbit.pos.shape[2:]),
+        )
+        return kv(), kv(), stats
+
+    per_layer = lambda x, i: jax.tree.map(lambda a: a[i], x)
+    ranked_live = lambda ly: np.asarray(
+        jnp.sum((ly.int8.pos if ly.int8 is not None else ly.pos[..., policy.ring :]) >= 0, -1)
+    )  # [B, H] (confkv: its INT8 tier, or the slots after its ring)
+    live = []
+    length = 0
+    for t, state in [(24, loose), *[(1, tight)] * 6]:
+        k, v, stats = inputs(t, layers[0])
+        pos = jnp.broadcast_to(length + jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = jnp.ones((b, t), bool)
+        ks, vs, sts = ([per_layer(x, i) for i in range(n_layers)] for x in (k, v, stats))
+        layers = policy.write_layers(layers, ks, vs, pos, valid, sts, state)
+        stacked = policy.write_stack(stacked, k, v, pos, valid, stats, state)
+        length += t
+        if case.startswith("confkv"):
+            live.append(ranked_live(layers[0]))
+    want = jax.tree.leaves(stack_trees(layers, "layers"))
+    got = jax.tree.leaves(stacked)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    if case.startswith("confkv"):  # the loose prefill held more than the tight budget allows
+        allowed = np.asarray(policy.ranked_budget(tight, 0, b))[:, None]
+        assert (live[0] > allowed).all() and (live[-1] <= allowed).all(), (live, allowed)
