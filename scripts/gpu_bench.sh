@@ -197,6 +197,18 @@ case "${1:-foundation}" in
               --chunk 4096 --segment 1024 --max-full 8192 --cache-dtype bfloat16 \
               --out "$OUT/stream_$pol.json" --plot "$OUT/stream_$pol.png" --json > /dev/null
           done ;;
+        kvpop-grid|qevict-niah)  # the CPU scripts' grids (scripts/kvpop_eval_cpu.sh,
+          # scripts/qevict_niah_cpu.sh) through the staged kvjax and the reassembled model
+          printf '#!/usr/bin/env bash\ncmd=$1; shift\nexec python3 -P -m kvjax "$cmd" --model %s "$@"\n' \
+            "$M" > /tmp/kvm && chmod +x /tmp/kvm
+          case $job in
+            kvpop-grid) KV=/tmp/kvm OUT="$OUT/kvpop_eval" bash scripts/kvpop_eval_cpu.sh ;;
+            qevict-niah) KV=/tmp/kvm OUT="$OUT/niah_qevict_2k" bash scripts/qevict_niah_cpu.sh ;;
+          esac ;;
+        niah-256)  # NIAH at one shared budget (256), 1K and 2K, both protocols
+          run niah --model $M --policy window streaming h2o snapkv confkv --budget 256 \
+            --lengths 1024 2048 --depths 0 25 50 75 100 --protocol both \
+            --out-dir "$OUT/niah_b256" --json > /dev/null ;;
         niah-4k)  # budgeted policies where the full cache still solves most depths
           run niah --model $M --policy streaming h2o confkv --budget 1024 --lengths 4096 \
             --depths 0 25 50 75 100 --protocol both --out-dir "$OUT/niah_b1024" --json > /dev/null ;;

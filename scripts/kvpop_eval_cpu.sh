@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/data/kvpop_eval}
 mkdir -p "$OUT"
-kv() { .venv/bin/kvjax "$@"; }
+kv() { ${KV:-.venv/bin/kvjax} "$@"; }  # KV: another kvjax command
 IMM=docs/data/kvpop/kvpop_mlstm_immediate_smollm2_135m.msgpack
 ROWS="full streaming tova h2o confkv+int8 qevict kvpop kvpop-mlp"
 [ -n "${SKIP_AVG:-}" ] || kv compare --windows 256 512 --tokens 2048 --rows $ROWS \

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/data/niah_qevict_2k}
 mkdir -p "$OUT"
-niah() { .venv/bin/kvjax niah --lengths 2048 --depths 0 50 100 --protocol both --out-dir "$OUT" \
+# KV: another kvjax command (default the checkout's .venv)
+niah() { ${KV:-.venv/bin/kvjax} niah --lengths 2048 --depths 0 50 100 --protocol both --out-dir "$OUT" \
   --json "$@"; }
 for pb in "102 135" "205 329" "410 715"; do
   set -- $pb
