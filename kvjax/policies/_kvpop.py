@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import CacheSpec
+from kvjax.policies._base import Policy
 from kvjax.policies._ranked import RankedPolicy
 from kvjax.scorers import (
     ScorerConfig,
@@ -134,6 +135,28 @@ class KVpopPolicy(RankedPolicy):
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
         del state  # kvpop keeps no policy-wide state
+        layer, scores, aux = self._prepare(layer, k_new, v_new, pos_new, valid, layer_index)
+        out = super().write(
+            layer, k_new, v_new, pos_new, valid, stats, _NewScores(scores), layer_index=layer_index
+        )
+        return out.replace(aux=aux)
+
+    def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
+        """A decode step over a stacked cache: the scorer's work vmapped over the layers, then
+        the ranked engine's stacked decode (one budget-shrink cond for all layers, where a
+        vmapped `write` would run the eviction's sort every step as a select)."""
+        if k_new.shape[2] != 1:
+            return Policy.write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state)
+        lis = jnp.arange(layers.pos.shape[0], dtype=jnp.int32)
+        prep = lambda ly, k, v, li: self._prepare(ly, k, v, pos_new, valid, li)
+        layers, scores, aux = jax.vmap(prep)(layers, k_new, v_new, lis)
+        new = _NewScores(scores)
+        out = self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, new, state_axis=0)
+        return out.replace(aux=aux)
+
+    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index):
+        """The scorer's part of a write: (layer with its leaving ring tokens' priorities set,
+        scores [B, Hkv, T] of this call's tokens for the ranked write, the scorer's new aux)."""
         b, t, h, d = k_new.shape
         config, params = _scorer(str(resolve_scorer(self.scorer)))
         # A layer scan passes layer_index traced (the scorer's layer count was checked when
@@ -147,10 +170,7 @@ class KVpopPolicy(RankedPolicy):
             # carries that score through the window.
             x = features(k_new, v_new)
             aux, r = self._mlstm(p, layer.aux, x, x, valid)
-            out = super().write(
-                layer, k_new, v_new, pos_new, valid, stats, _NewScores(r), layer_index=layer_index
-            )
-            return out.replace(aux=aux)
+            return layer, r, aux
         w = self.window
         # Step τ of this call writes token pos_new[τ] and pushes out token pos_new[τ] − w: the new
         # token τ − w if τ >= w, else the ring token in slot (pos_new[τ] − w) mod w.
@@ -180,18 +200,7 @@ class KVpopPolicy(RankedPolicy):
         layer = layer.replace(score=layer.score.at[bi, hi, slot].set(r, mode="drop"))
         shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2)
         gone = (jnp.arange(t) + w < t)[None, None, :]
-        new_scores = jnp.where(gone, shifted, 0.0)
-        out = super().write(
-            layer,
-            k_new,
-            v_new,
-            pos_new,
-            valid,
-            stats,
-            _NewScores(new_scores),
-            layer_index=layer_index,
-        )
-        return out.replace(aux=aux)
+        return layer, jnp.where(gone, shifted, 0.0), aux
 
     @staticmethod
     def _mlstm(p, state, x_new: Array, x_read: Array, valid: Array):

@@ -196,20 +196,27 @@ class RankedPolicy(Policy):
         select that runs the eviction's sort on every step. Other writes: the default vmap."""
         if type(self).write is not RankedPolicy.write or k_new.shape[2] != 1:
             return super().write_stack(layers, k_new, v_new, pos_new, valid, stats, state)
+        return self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, state)
+
+    def _decode_stack(self, layers, k_new, v_new, pos_new, valid, stats, state, state_axis=None):
+        """`write_stack`'s decode step; state_axis 0: `state` has a leading [L] axis (one state
+        per layer, as KVpop's scores of its leaving tokens), None: one for all layers."""
         lis = jnp.arange(layers.pos.shape[0], dtype=jnp.int32)
         cur3 = pos_new[:, 0][:, None, None]
         b = pos_new.shape[0]
+        over_layers = lambda f, n: jax.vmap(f, in_axes=(0,) * n + (state_axis,))
         if not self.frozen_in_decode:
-            scored = lambda ly, st, li: self._scored(ly, st, cur3, state, li)
-            layers = jax.vmap(scored)(layers, stats, lis)
-        budgets = jax.vmap(lambda li: self.ranked_budget(state, li, b)[:, None])(lis)
+            scored = lambda ly, st, li, sta: self._scored(ly, st, cur3, sta, li)
+            layers = over_layers(scored, 3)(layers, stats, lis, state)
+        budget_of = lambda li, sta: self.ranked_budget(sta, li, b)[:, None]
+        budgets = over_layers(budget_of, 1)(lis, state)
         layers, now = self._shrink_stacked(layers, budgets, cur3, lis)
 
-        def one(ly, k, v, st, li, budget, nw):
-            plan = self._decode_plan(ly, k, v, pos_new, valid, st, state, li, budget, nw)
+        def one(ly, k, v, st, li, budget, nw, sta):
+            plan = self._decode_plan(ly, k, v, pos_new, valid, st, sta, li, budget, nw)
             return self._apply([plan])[0]
 
-        return jax.vmap(one)(layers, k_new, v_new, stats, lis, budgets, now)
+        return over_layers(one, 7)(layers, k_new, v_new, stats, lis, budgets, now, state)
 
     def _shrink_stacked(self, layers, budgets, cur3, lis):
         """`_shrink` over a stacked cache (budgets [L, B, 1], lis [L]): the layers and their

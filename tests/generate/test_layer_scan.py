@@ -150,9 +150,9 @@ def test_stacked_empty_cache_allocates_only_the_stack(tiny_llama):
     assert temp < stack_bytes / 4, (temp, stack_bytes)
 
 
-@pytest.mark.parametrize("case", ["confkv", "confkv-int8", "h2o", "qevict"])
+@pytest.mark.parametrize("case", ["confkv", "confkv-int8", "h2o", "qevict", "kvpop", "kvpop-mlp"])
 def test_stacked_write_equals_the_per_layer_write(case):
-    """`write_stack` over three stacked layers equals `write_layers` layer by layer, through a
+    """`write_stack` over two stacked layers equals `write_layers` layer by layer, through a
     prefill and decode writes; confkv's decode turns confident (tight budget) after a loose
     prefill, so its one cond for all layers evicts (the branch a vmapped `write` would run as a
     select)."""
@@ -160,7 +160,7 @@ def test_stacked_write_equals_the_per_layer_write(case):
     from kvjax.cache import stack_trees
 
     policy = build(case, 16)
-    b, h, d, n_layers = 2, 2, 8, 3
+    b, h, d, n_layers = 2, 2, 16, 2  # TINY_LLAMA's KV heads and head dim (the kvpop scorers')
     spec = policy.cache_spec(
         batch=b, num_layers=n_layers, num_kv_heads=h, head_dim=d, max_len=64, dtype=jnp.float32
     )
