@@ -338,6 +338,7 @@ def _kernel_stacked(
         "return_logits",
         "stack_pages",
         "asm_unpack",
+        "tokens_m",
         "interpret",
     ),
 )
@@ -355,6 +356,7 @@ def decode_attention_lowbit_triton(
     return_logits: bool = False,
     stack_pages: bool | None = None,
     asm_unpack: bool | None = None,
+    tokens_m: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -380,6 +382,9 @@ def decode_attention_lowbit_triton(
         asm_unpack: the stacked kernel converts codes with inline PTX (`unpack_asm`) instead of
             jnp shifts and conversions; default from the device's Tuning. Ignored where it does
             not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
+        tokens_m: run `_triton_lowbit_tm.kernel_tokens_m` instead (tokens on the dots' M axis,
+            keys dequantized in registers as the A operand); default from the device's Tuning.
+            Excludes stack_pages=True. Its asm_unpack also fuses the key dequantization.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -394,7 +399,10 @@ def decode_attention_lowbit_triton(
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
     # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
-    default_stack = tune.lowbit_stack_pages and not return_logits
+    tm = tune.lowbit_tokens_m if tokens_m is None else bool(tokens_m)
+    if tm and stack_pages:
+        raise ValueError("tokens_m and stack_pages are two different kernels: set one of them")
+    default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
     if stack and block_k is None:
         block_k = stacked_block_k(tp, group)
@@ -405,14 +413,20 @@ def decode_attention_lowbit_triton(
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
     flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
     npg = block_k // tp
+    sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
+    widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
+    asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
+    asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
     if stack:  # the G rows once per page of a step
         qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
-        sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
-        widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
-        asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
-        asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
         kernel = functools.partial(_kernel_stacked, page=tp, group=group, asm_unpack=asm)
+    elif tm:
+        from kvjax.pallas_kernels.decode_attention._triton_lowbit_tm import kernel_tokens_m
+
+        qp = pad_group(q)
+        codes = (flat(tier.k), flat(tier.v))
+        kernel = functools.partial(kernel_tokens_m, page=tp, group=group, asm_unpack=asm)
     else:
         qp = pad_group(q)
         codes = (tier.k, tier.v)
