@@ -382,9 +382,10 @@ def decode_attention_lowbit_triton(
         asm_unpack: the stacked kernel converts codes with inline PTX (`unpack_asm`) instead of
             jnp shifts and conversions; default from the device's Tuning. Ignored where it does
             not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
-        tokens_m: run `_triton_lowbit_tm.kernel_tokens_m` instead (tokens on the dots' M axis,
-            keys dequantized in registers as the A operand); default from the device's Tuning.
-            Excludes stack_pages=True. Its asm_unpack also fuses the key dequantization.
+        tokens_m: run `_triton_lowbit_tm.kernel_tokens_m` instead: the stacked kernel's query
+            rows with the QK dot transposed (tokens on its M axis, the key codes its A operand);
+            default from the device's Tuning. Excludes stack_pages=True; default block_k as
+            stacked.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -404,7 +405,7 @@ def decode_attention_lowbit_triton(
         raise ValueError("tokens_m and stack_pages are two different kernels: set one of them")
     default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
-    if stack and block_k is None:
+    if (stack or tm) and block_k is None:
         block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)
     if block_k & (block_k - 1):
@@ -417,16 +418,13 @@ def decode_attention_lowbit_triton(
     widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
     asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
     asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
-    if stack:  # the G rows once per page of a step
-        qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
-        codes = (flat(tier.k), flat(tier.v))
-        kernel = functools.partial(_kernel_stacked, page=tp, group=group, asm_unpack=asm)
-    elif tm:
+    if stack or tm:  # the G rows once per page of a step
         from kvjax.pallas_kernels.decode_attention._triton_lowbit_tm import kernel_tokens_m
 
-        qp = pad_group(q)
+        qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
-        kernel = functools.partial(kernel_tokens_m, page=tp, group=group, asm_unpack=asm)
+        kern = kernel_tokens_m if tm else _kernel_stacked
+        kernel = functools.partial(kern, page=tp, group=group, asm_unpack=asm)
     else:
         qp = pad_group(q)
         codes = (tier.k, tier.v)
@@ -447,7 +445,7 @@ def decode_attention_lowbit_triton(
         arrays,
         specs,
         qp,
-        group=npg * group if stack else group,
+        group=npg * group if stack or tm else group,
         splits=splits,
         slots=n_tok,
         return_logits=return_logits,
@@ -456,7 +454,7 @@ def decode_attention_lowbit_triton(
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",
     )
-    return _unstack(res, npg, group, tp) if stack else res
+    return _unstack(res, npg, group, tp) if stack or tm else res
 
 
 def stacked_block_k(page: int, group: int) -> int:

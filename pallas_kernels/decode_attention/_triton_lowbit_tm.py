@@ -1,13 +1,16 @@
-"""The low-bit decode kernel with tokens on the dots' M axis (`tokens_m`): Pallas through Triton.
+"""The low-bit decode kernel with tokens on the QK dot's M axis (`tokens_m`): Pallas via Triton.
 
-The other low-bit kernels (`_triton_lowbit.py`) put the 16-row query tile on M, so every token
-tile is the B operand, and a step's dequantized codes and probabilities are exchanged through
-shared memory between the warps. Here the logits are computed transposed, s^T [T, Gp] =
-K_deq [T, D] · q^T: a step's block_k tokens are the rows of the A operand, each warp owns its
-own token rows, the key codes are dequantized in registers in the layout the dot reads them
-from (code·scale + zero with each token's page statistics), and q stays fixed across the loop.
-The online softmax reduces along axis 0 (tokens); the values follow `_values` (the per-token
-value scale on p, Σ p·zero added, the PV dot on raw codes).
+The stacked kernel (`_triton_lowbit._kernel_stacked`) computes the logits as s [Rp, T] =
+q_s · K^T with the key codes as the dot's B operand. Here they are computed transposed, s^T
+[T, Rp] = K [T, D] · q_s^T: a step's block_k tokens are the rows of the A operand, which Hopper's
+wgmma reads from registers, so the unpacked codes go from their shared-memory stage straight
+into the dot with no relayout, and each warp owns its own token rows. The query tile is the
+stacked kernel's (row r = page r // G of a step, head r % G, its page's key statistics folded
+into q) and its partials are unstacked the same way. The online softmax reduces along axis 0.
+Values follow `_values` (per-token value scale on p, the PV dot on raw codes), except that the
+Σ p·zero of every value group is one more small dot per step, p · zero-tile [T, NGp] into a
+[Rp, NGp] accumulator, added to the output chunks once after the loop instead of one reduction
+per group and step.
 """
 
 from __future__ import annotations
@@ -18,40 +21,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas_kernels.decode_attention._triton import dot_f32, split_range, store_rows
-from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
-    _run_and_store,
-    _values,
-    chunks,
-    unpack_tiles,
-)
+from kvjax.pallas_kernels.decode_attention._triton import dot_f32, finish, split_range, store_rows
+from kvjax.pallas_kernels.decode_attention._triton_lowbit import _NEG, chunks, unpack_tiles
 
 Array = jax.Array
-
-
-def _fma_asm(cdt) -> str:
-    """PTX of one packed fused multiply-add (a·b + c, one rounding) on two cdt values."""
-    ty = "bf16x2" if jnp.dtype(cdt) == jnp.bfloat16 else "f16x2"
-    return f"fma.rn.{ty} $0, $1, $2, $3;"
-
-
-def dequant(codes: Array, scale: Array, zero: Array, asm: bool) -> Array:
-    """codes·scale + zero of cdt tiles [T, w] (asm: one packed FMA per two values, compiled GPU
-    kernels only; else in float32, rounded once to cdt)."""
-    if asm:
-        [out] = plgpu.elementwise_inline_asm(
-            _fma_asm(codes.dtype), args=[codes, scale, zero], constraints="=r,r,r,r", pack=2,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, codes.dtype)],
-        )  # fmt: skip
-        return out
-    f32 = jnp.float32
-    return (codes.astype(f32) * scale.astype(f32) + zero.astype(f32)).astype(codes.dtype)
 
 
 def kernel_tokens_m(
     extent_ref,  # [] int32 one past the last attended page
     qpos_ref,  # [] int32
-    q_ref,  # [Gp, D]
+    q_ref,  # [Rp, D] the G query rows repeated once per page of a step (row r: page r // G)
     k_ref,  # [N, Dp] uint8 packed key codes, N = P·Tp tokens in page order
     v_ref,  # [N, Dp] uint8 packed value codes
     ks_ref,  # [P, D] key scale per page and channel
@@ -59,9 +38,9 @@ def kernel_tokens_m(
     vs_ref,  # [N, NG] value scale per token and channel group
     vz_ref,  # [N, NG] value zero
     pos_ref,  # [N] int32, -1 = not attended
-    o_ref,  # [Gp, D] f32 (rows >= G never written)
-    lse_ref,  # [Gp] f32
-    *logits_ref,  # [Gp, N] f32 (return_logits; rows >= G never written)
+    o_ref,  # [Rp, D] f32 (rows >= npg·G never written)
+    lse_ref,  # [Rp] f32
+    *logits_ref,  # [Rp, N] f32 (return_logits; row r valid on its own page's tokens only)
     page: int,
     group: int,
     bits: int,
@@ -73,59 +52,82 @@ def kernel_tokens_m(
 ):
     n_tok, _ = k_ref.shape
     pages_total = ks_ref.shape[0]
-    gp, d = q_ref.shape
+    npg = block_k // page  # pages per loop step
+    rp, d = q_ref.shape
     ng = vs_ref.shape[-1]
+    ngp = max(16, pl.next_power_of_2(ng))  # zero-tile columns (the dot wants >= 16)
     n = 8 // bits
     sub = d // n  # channels per sub-block (= packed bytes per token)
     parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
     w = min(sub, d // ng)
     cdt = q_ref.dtype
+    f32 = jnp.float32
     qpos = qpos_ref[()]
-    qk = [q_ref[:, pl.ds(i * sub, sub)] for i in range(n)]  # [Gp, sub], the dots' B operands
+    row_page = lax.broadcasted_iota(jnp.int32, (rp,), 0) // group  # j of every row
+    qk = [q_ref[:, pl.ds(i * sub, sub)].astype(f32) for i in range(n)]  # [Rp, sub]
     extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
+    n_pages = pl.cdiv(extent, page)
     first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
     js = sorted({j for _, j, _, _ in parts})
     grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
+    col_page = lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page  # page of every token
     sub_cols = lax.broadcasted_iota(jnp.int32, (sub,), 0)
+    zcols = lax.broadcasted_iota(jnp.int32, (ngp,), 0)
 
     def step(it, carry):
-        acc, m, l = carry
+        acc, zacc, m, l = carry
         start = pl.multiple_of(it * block_k, block_k)
         rows = pl.ds(start, block_k)
-        tok = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        inb = tok < extent
-        prow = jnp.minimum(tok // page, pages_total - 1)[:, None]  # every token's page
+        inb = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < extent
+        prow = it * npg + row_page  # page of every query row in this step
+        pin = (row_page < npg) & (prow < n_pages)
+        prow = jnp.minimum(prow, pages_total - 1)
         # Every load of the step is issued before the first use.
         pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
         kp = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)  # [T, sub]
         vp = {j: plgpu.load(v_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js}
-        stat = lambda ref, i: plgpu.load(  # [T, sub]: each token's page statistics (a gather)
-            ref.at[prow, i * sub + sub_cols[None, :]], mask=inb[:, None], other=0
-        ).astype(cdt)
+        stat = lambda ref, i: plgpu.load(  # [Rp, sub]: each row's page statistics (a gather)
+            ref.at[prow[:, None], i * sub + sub_cols[None, :]], mask=pin[:, None], other=0
+        ).astype(f32)
         ks = [stat(ks_ref, i) for i in range(n)]
         kz = [stat(kz_ref, i) for i in range(n)]
         vs = [plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps]
-        vz = [plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps]
-        ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [T, sub] per sub-block
-        st = jnp.zeros((block_k, gp), jnp.float32)
-        for i in range(n):
-            kd = dequant(ktiles[i], ks[i], kz[i], asm_unpack)
-            st = st + dot_f32(kd, qk[i], trans_b=True)  # [T, Gp]
-        st = jnp.where(((pos >= 0) & (pos <= qpos))[:, None], st * scale, -jnp.inf)
+        zt = plgpu.load(  # [T, NGp] every group's value zeros, zero-padded columns
+            vz_ref.at[start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)[:, None],
+                      jnp.minimum(zcols, ng - 1)[None, :]],
+            mask=inb[:, None] & (zcols < ng)[None, :], other=0,
+        )  # fmt: skip
+        st = jnp.zeros((block_k, rp), f32)
+        zq = jnp.zeros((rp,), f32)
+        for i, kt in enumerate(unpack_tiles(kp, bits, cdt, asm_unpack)):  # [T, sub] each
+            zq = zq + jnp.sum(qk[i] * kz[i], axis=1)  # each row's q·zero
+            st = st + dot_f32(kt, (qk[i] * ks[i]).astype(cdt), trans_b=True)  # [T, Rp]
+        own = col_page[:, None] == row_page[None, :]  # a row attends its own page only
+        seen = own & ((pos >= 0) & (pos <= qpos))[:, None]
+        st = jnp.where(seen, (st + zq[None, :]) * scale, -jnp.inf)
+        if return_logits:
+            store_rows(logits_ref[0], st.T, npg * group, rows, inb)
         m_new = jnp.maximum(m, jnp.max(st, axis=0))
         corr = jnp.exp(m - m_new)
-        pt = jnp.exp(st - m_new[None, :])  # [T, Gp]
+        pt = jnp.exp(st - m_new[None, :])  # [T, Rp]
         l = l * corr + jnp.sum(pt, axis=0)
-        p = pt.T  # [Gp, T]
-        if return_logits:
-            store_rows(logits_ref[0], st.T, group, rows, inb)
-
+        p = pt.T  # [Rp, T]
+        zacc = zacc * corr[:, None] + dot_f32(p.astype(cdt), zt.astype(cdt), trans_b=False)
         vtiles = {j: unpack_tiles(vp[j], bits, cdt, asm_unpack) for j in js}
+        new = []
+        for a, vsc, (i, j, _, _) in zip(acc, vs, parts, strict=True):
+            ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
+            new.append(a * corr[:, None] + dot_f32(ps, vtiles[j][i], trans_b=False))
+        return new, zacc, m_new, l
 
-        def vcodes(c):
-            i, j, _, _ = parts[c]
-            return vtiles[j][i]
-
-        return _values(acc, p, corr, vcodes, vs, vz, cdt), m_new, l
-
-    _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
+    init = (
+        [jnp.zeros((rp, w), f32) for _ in parts],
+        jnp.zeros((rp, ngp), f32),
+        jnp.full((rp,), _NEG, f32),
+        jnp.zeros((rp,), f32),
+    )
+    acc, zacc, m, l = lax.fori_loop(first, last, step, init)
+    # Σ p·zero of chunk c's group, once: column grp of the zero accumulator.
+    col = lambda grp: jnp.sum(jnp.where((zcols == grp)[None, :], zacc, 0.0), axis=1)
+    acc = [a + col(grp)[:, None] for a, (_, _, _, grp) in zip(acc, parts, strict=True)]
+    finish(acc, m, l, o_ref, lse_ref, npg * group)
