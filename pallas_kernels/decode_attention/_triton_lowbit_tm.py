@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.pallas_kernels.decode_attention._triton import dot_f32, finish, split_range, store_rows
-from kvjax.pallas_kernels.decode_attention._triton_lowbit import _NEG, chunks, unpack_tiles
+from kvjax.pallas_kernels.decode_attention._triton_lowbit import _MAGIC, _NEG, chunks, unpack_tiles
 
 Array = jax.Array
 
@@ -99,7 +99,7 @@ def kernel_tokens_m(
         )  # fmt: skip
         st = jnp.zeros((block_k, rp), f32)
         zq = jnp.zeros((rp,), f32)
-        for i, kt in enumerate(unpack_tiles(kp, bits, cdt, asm_unpack)):  # [T, sub] each
+        for i, kt in enumerate(unpack_pairs(kp, bits, cdt, asm_unpack)):  # [T, sub] each
             zq = zq + jnp.sum(qk[i] * kz[i], axis=1)  # each row's q·zero
             st = st + dot_f32(kt, (qk[i] * ks[i]).astype(cdt), trans_b=True)  # [T, Rp]
         own = col_page[:, None] == row_page[None, :]  # a row attends its own page only
@@ -113,7 +113,7 @@ def kernel_tokens_m(
         l = l * corr + jnp.sum(pt, axis=0)
         p = pt.T  # [Rp, T]
         zacc = zacc * corr[:, None] + dot_f32(p.astype(cdt), zt.astype(cdt), trans_b=False)
-        vtiles = {j: unpack_tiles(vp[j], bits, cdt, asm_unpack) for j in js}
+        vtiles = {j: unpack_pairs(vp[j], bits, cdt, asm_unpack) for j in js}
         new = []
         for a, vsc, (i, j, _, _) in zip(acc, vs, parts, strict=True):
             ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
@@ -131,3 +131,41 @@ def kernel_tokens_m(
     col = lambda grp: jnp.sum(jnp.where((zcols == grp)[None, :], zacc, 0.0), axis=1)
     acc = [a + col(grp)[:, None] for a, (_, _, _, grp) in zip(acc, parts, strict=True)]
     finish(acc, m, l, o_ref, lse_ref, npg * group)
+
+
+def unpack_pair_asm(bits: int, i: int, cdt) -> str:
+    """PTX turning one 16-bit register of 2 packed bytes ($1) into sub-block i's 2 codes as one
+    cdt pair ($0): a PRMT spreads the bytes to the halves, then a shift (sub-blocks after the
+    first), one LOP3 ((x & mask) | magic) and one packed FMA (-magic). The pair is what one
+    thread holds of a dot operand (2 consecutive elements), so no bytes are repacked first."""
+    magic, one, neg, ty = _MAGIC[jnp.dtype(cdt)]
+    pair = lambda x: f"0x{x:04X}{x:04X}"
+    lines = [
+        "{",
+        ".reg .b32 t, zero, one, neg;",
+        "mov.b32 zero, 0;",
+        f"mov.b32 one, {pair(one)};",
+        f"mov.b32 neg, {pair(neg)};",
+        "cvt.u32.u16 t, $1;",
+        "prmt.b32 t, t, zero, 0x4140;",
+    ]
+    if i:
+        lines.append(f"shr.b32 t, t, {i * bits};")
+    lines.append(f"lop3.b32 $0, t, {pair((1 << bits) - 1)}, {pair(magic)}, 0xEA;")
+    lines.append(f"fma.rn.{ty} $0, $0, one, neg;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def unpack_pairs(packed: Array, bits: int, cdt, asm: bool) -> list[Array]:
+    """`unpack_tiles` with `unpack_pair_asm` (2 codes per call) where asm applies."""
+    if not asm:
+        return unpack_tiles(packed, bits, cdt, False)
+    out = jax.ShapeDtypeStruct(packed.shape, cdt)
+    return [
+        plgpu.elementwise_inline_asm(
+            unpack_pair_asm(bits, i, cdt), args=[packed], constraints="=r,h", pack=2,
+            result_shape_dtypes=[out],
+        )[0]
+        for i in range(8 // bits)
+    ]  # fmt: skip
