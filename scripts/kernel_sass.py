@@ -5,8 +5,10 @@ Usage: python scripts/kernel_sass.py ROW [KNOB=V ...] [--dump FILE]
   ROW: pallas-bf16, pallas-int8, pallas-int4 or pallas-int2 (B=8, S=32768, Hq 32, Hkv 8,
   D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages,
   asm_unpack, tokens_m (default: the H200 tuning); value_group (the cache's channels per value
-  group, default 32: a layout option, not a kernel knob). --dump FILE also writes the kernel's
-  whole SASS to FILE and its Triton GPU IR (the layouts Triton chose) to FILE.ttgir.
+  group, default 32) and bf16_stats=1 (the low-bit statistics in bfloat16, as the cache stores
+  them since 2026-12-01; default float32, as the calibration ran): layout options, not kernel
+  knobs. --dump FILE also writes the kernel's whole SASS to FILE and its Triton GPU IR (the
+  layouts Triton chose) to FILE.ttgir.
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
 TRITON_PYTHON=/tmp/tv/bin/python python scripts/kernel_sass.py pallas-int4 stack_pages=1
@@ -66,7 +68,10 @@ tune = tuning_for("NVIDIA H200")
 q = jax.ShapeDtypeStruct((B, HKV, G, D), jnp.bfloat16)
 q_pos = jax.ShapeDtypeStruct((B,), jnp.int32)
 vg = knobs.pop("value_group", VG)
-full, int8, lowbit = abstract_tiers(B, HKV, D, S, S, S // PAGE, PAGE, vg, bits or 2, jnp.bfloat16)
+stat_dt = jnp.bfloat16 if knobs.pop("bf16_stats", 0) else jnp.float32
+full, int8, lowbit = abstract_tiers(
+    B, HKV, D, S, S, S // PAGE, PAGE, vg, bits or 2, jnp.bfloat16, stat_dtype=stat_dt
+)
 kw = dict(scale=D**-0.5, num_warps=knobs.pop("num_warps", tune.num_warps))
 if bits in (2, 4):
     tm = bool(knobs.pop("tokens_m", tune.lowbit_tokens_m))
@@ -108,7 +113,7 @@ stats = sass_loop_stats(sass, block)
 top = {k: round(v, 2) for k, v in list(stats["ops"].items())[:40]}
 report = dict(
     row=row,
-    knobs=kw | {"block_k": block, "value_group": vg},
+    knobs=kw | {"block_k": block, "value_group": vg, "stats": jnp.dtype(stat_dt).name},
     resources=res[:1],
     shared_bytes=int(sass.split("SHARED_BYTES")[-1]),
     loop_instructions=stats["instructions"],
