@@ -384,8 +384,9 @@ def decode_attention_lowbit_triton(
             not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
         tokens_m: run `_triton_lowbit_tm.kernel_tokens_m` instead: the stacked kernel's query
             rows with the QK dot transposed (tokens on its M axis, the key codes its A operand);
-            default from the device's Tuning. Excludes stack_pages=True; default block_k as
-            stacked.
+            default from the device's Tuning when no logits are returned, else off; 2- and
+            4-bit codes only (the default skips 8-bit ones). Excludes stack_pages=True; default
+            block_k as stacked.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -400,9 +401,13 @@ def decode_attention_lowbit_triton(
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
     # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
-    tm = tune.lowbit_tokens_m if tokens_m is None else bool(tokens_m)
+    # tokens_m writes its logits as the stacked kernel does: by default only without logits.
+    default_tm = tune.lowbit_tokens_m and not return_logits and bits < 8
+    tm = default_tm if tokens_m is None else bool(tokens_m)
     if tm and stack_pages:
         raise ValueError("tokens_m and stack_pages are two different kernels: set one of them")
+    if tm and bits == 8:
+        raise ValueError("tokens_m needs 2- or 4-bit codes, got 8 (the stacked kernel takes them)")
     default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
     if (stack or tm) and block_k is None:
