@@ -10,7 +10,9 @@ into q) and its partials are unstacked the same way. The online softmax reduces 
 Values follow `_values` (per-token value scale on p, the PV dot on raw codes), except that the
 Σ p·zero of every value group is one more small dot per step, p · zero-tile [T, NGp] into a
 [Rp, NGp] accumulator, added to the output chunks once after the loop instead of one reduction
-per group and step.
+per group and step. Compiled, codes are converted two at a time (`unpack_pair_asm`), the pair
+of consecutive operand elements a thread holds, so no bytes are repacked into words first.
+Offline SASS counts: docs/lab/2026-12-01-lowbit-lean-loop.md.
 """
 
 from __future__ import annotations
