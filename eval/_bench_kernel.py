@@ -71,6 +71,7 @@ _ROW_KNOBS = {
     "v_words": (_int8_row, "INT8"),
     "stack_pages": (_lowbit_row, "low-bit"),
     "asm_unpack": (_lowbit_row, "low-bit"),
+    "tokens_m": (_lowbit_row, "low-bit"),
     "stages": (_mgpu_row, "Mosaic GPU"),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
@@ -209,7 +210,8 @@ def bench_kernel(
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
     num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk and v_words for the
-    INT8 row only, stack_pages for the low-bit rows only), on the same data.
+    INT8 row only, stack_pages, asm_unpack and tokens_m for the low-bit rows only), on the same
+    data.
     `on_row` sees each row as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():

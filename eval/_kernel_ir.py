@@ -30,9 +30,12 @@ H200 = jax.sharding.AbstractMesh(
 )
 
 
-def abstract_tiers(b, hkv, d, cap, int8_cap, pages, page, value_group, bits, dtype):
+def abstract_tiers(
+    b, hkv, d, cap, int8_cap, pages, page, value_group, bits, dtype, stat_dtype=jnp.float32
+):
     """ShapeDtypeStructs of a layer's full (cap slots, `dtype`), INT8 (int8_cap slots) and packed
-    low-bit (pages × page tokens at `bits`) tiers, for lowering (jax.export)."""
+    low-bit (pages × page tokens at `bits`, statistics in `stat_dtype`) tiers, for lowering
+    (jax.export)."""
     sds, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
     full = FullTier(
         sds((b, hkv, cap, d), dtype),
@@ -52,10 +55,10 @@ def abstract_tiers(b, hkv, d, cap, int8_cap, pages, page, value_group, bits, dty
     lowbit = LowBitTier(
         sds((b, hkv, pages, page, dp), jnp.uint8),
         sds((b, hkv, pages, page, dp), jnp.uint8),
-        sds((b, hkv, pages, d), f32),
-        sds((b, hkv, pages, d), f32),
-        sds((b, hkv, pages, page, groups), f32),
-        sds((b, hkv, pages, page, groups), f32),
+        sds((b, hkv, pages, d), stat_dtype),
+        sds((b, hkv, pages, d), stat_dtype),
+        sds((b, hkv, pages, page, groups), stat_dtype),
+        sds((b, hkv, pages, page, groups), stat_dtype),
         sds((b, hkv, pages, page), i32),
         sds((b, hkv), i32),
     )

@@ -1,11 +1,14 @@
 """Compiles one decode-kernel row for an H200 without a GPU and counts its main loop's SASS
 instructions per token (a kernel-development aid: compare variants before spending GPU time).
 
-Usage: python scripts/kernel_sass.py ROW [KNOB=V ...]
+Usage: python scripts/kernel_sass.py ROW [KNOB=V ...] [--dump FILE]
   ROW: pallas-bf16, pallas-int8, pallas-int4 or pallas-int2 (B=8, S=32768, Hq 32, Hkv 8,
   D 128, the bench's shapes); KNOB: block_k, num_warps, num_stages, int8_qk, v_words, stack_pages,
-  asm_unpack
-  (default: the H200 tuning).
+  asm_unpack, tokens_m (default: the H200 tuning); value_group (the cache's channels per value
+  group, default 32) and bf16_stats=1 (the low-bit statistics in bfloat16, as the cache stores
+  them since 2026-12-01; default float32, as the calibration ran): layout options, not kernel
+  knobs. --dump FILE also writes the kernel's whole SASS to FILE and its Triton GPU IR (the
+  layouts Triton chose) to FILE.ttgir.
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
 TRITON_PYTHON=/tmp/tv/bin/python python scripts/kernel_sass.py pallas-int4 stack_pages=1
@@ -42,12 +45,21 @@ with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
 res = subprocess.run([tool, "-res-usage", "-sass", f.name], capture_output=True, text=True)
 print(res.stdout)
 print("SHARED_BYTES", k.metadata.shared)
+with open(path + ".ttgir", "w") as f:
+    f.write(k.asm["ttgir"])
 """
 
 B, HKV, G, D, S, PAGE, VG = 8, 8, 4, 128, 32768, 32, 32
 ROWS = {"pallas-bf16": None, "pallas-int8": 8, "pallas-int4": 4, "pallas-int2": 2}
 
 args = sys.argv[1:]
+dump = None
+if "--dump" in args:
+    at = args.index("--dump")
+    if at + 1 >= len(args):
+        raise SystemExit("--dump needs a FILE")
+    dump = args.pop(at + 1)
+    args.pop(at)
 if not args or args[0] not in ROWS:
     raise SystemExit(f"usage: kernel_sass.py ROW [KNOB=V ...]; ROW one of {list(ROWS)}")
 row, bits = args[0], ROWS[args[0]]
@@ -55,10 +67,16 @@ knobs = {k: int(v) for k, v in (a.split("=", 1) for a in args[1:])}
 tune = tuning_for("NVIDIA H200")
 q = jax.ShapeDtypeStruct((B, HKV, G, D), jnp.bfloat16)
 q_pos = jax.ShapeDtypeStruct((B,), jnp.int32)
-full, int8, lowbit = abstract_tiers(B, HKV, D, S, S, S // PAGE, PAGE, VG, bits or 2, jnp.bfloat16)
+vg = knobs.pop("value_group", VG)
+stat_dt = jnp.bfloat16 if knobs.pop("bf16_stats", 0) else jnp.float32
+full, int8, lowbit = abstract_tiers(
+    B, HKV, D, S, S, S // PAGE, PAGE, vg, bits or 2, jnp.bfloat16, stat_dtype=stat_dt
+)
 kw = dict(scale=D**-0.5, num_warps=knobs.pop("num_warps", tune.num_warps))
 if bits in (2, 4):
-    stack = bool(knobs.pop("stack_pages", tune.lowbit_stack_pages))
+    tm = bool(knobs.pop("tokens_m", tune.lowbit_tokens_m))
+    stack = bool(knobs.pop("stack_pages", tune.lowbit_stack_pages and not tm))
+    kw["tokens_m"] = tm
     kw["asm_unpack"] = bool(knobs.pop("asm_unpack", tune.lowbit_asm_unpack))
     block = knobs.pop("block_k", stacked_block_k(PAGE, G) if stack else tune.lowbit_block_k)
     stages = knobs.pop("num_stages", tune.lowbit_num_stages)
@@ -75,23 +93,27 @@ if knobs:
     raise SystemExit(f"unknown or inapplicable knobs for {row}: {sorted(knobs)}")
 kw |= dict(block_k=block, num_splits=num_splits(B, HKV, -(-S // block), tune.target_programs))
 [kernel] = triton_ir(functools.partial(fn, **kw), q, tier, q_pos)
-with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
-    f.write(kernel["ttir"])
+with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as kf:
+    kf.write(kernel["ttir"])
 python = os.environ.get("TRITON_PYTHON", "python3")
 out = subprocess.run(
-    [python, "-c", _COMPILE, f.name, str(kernel["num_warps"]), str(kernel["num_stages"])],
+    [python, "-c", _COMPILE, kf.name, str(kernel["num_warps"]), str(kernel["num_stages"])],
     capture_output=True,
     text=True,
 )
 if out.returncode:
     raise SystemExit(f"compiling with {python} (needs `triton`) failed:\n{out.stderr[-2000:]}")
 sass = out.stdout
+if dump:  # the SASS, and the Triton GPU IR (layouts chosen) beside it
+    with open(dump, "w") as f:
+        f.write(sass)
+    os.replace(f"{kf.name}.ttgir", f"{dump}.ttgir")
 res = [line.strip() for line in sass.splitlines() if "REG:" in line]
 stats = sass_loop_stats(sass, block)
 top = {k: round(v, 2) for k, v in list(stats["ops"].items())[:40]}
 report = dict(
     row=row,
-    knobs=kw | {"block_k": block},
+    knobs=kw | {"block_k": block, "value_group": vg, "stats": jnp.dtype(stat_dt).name},
     resources=res[:1],
     shared_bytes=int(sass.split("SHARED_BYTES")[-1]),
     loop_instructions=stats["instructions"],

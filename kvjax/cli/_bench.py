@@ -70,7 +70,7 @@ def _register_kernel(bsub) -> None:
         metavar="KNOB=V1,V2",
         help="also time --sweep-rows over a grid of knobs (block_k, num_splits, "
         "num_warps, num_stages; int8_qk=0,1 and v_words=0,1 for pallas-int8; "
-        "stack_pages=0,1 and asm_unpack=0,1 for the low-bit rows), "
+        "stack_pages=0,1, asm_unpack=0,1 and tokens_m=0,1 for the low-bit rows), "
         "e.g. --sweep block_k=32,64 num_warps=4,8",
     )
     k.add_argument("--sweep-rows", nargs="+", default=["pallas-bf16"], choices=list(ROWS))

@@ -338,6 +338,7 @@ def _kernel_stacked(
         "return_logits",
         "stack_pages",
         "asm_unpack",
+        "tokens_m",
         "interpret",
     ),
 )
@@ -355,6 +356,7 @@ def decode_attention_lowbit_triton(
     return_logits: bool = False,
     stack_pages: bool | None = None,
     asm_unpack: bool | None = None,
+    tokens_m: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -380,6 +382,11 @@ def decode_attention_lowbit_triton(
         asm_unpack: the stacked kernel converts codes with inline PTX (`unpack_asm`) instead of
             jnp shifts and conversions; default from the device's Tuning. Ignored where it does
             not apply: interpreted, unstacked, 8-bit codes, float32 queries (`asm_unpack_applies`).
+        tokens_m: run `_triton_lowbit_tm.kernel_tokens_m` instead: the stacked kernel's query
+            rows with the QK dot transposed (tokens on its M axis, the key codes its A operand);
+            default from the device's Tuning when no logits are returned, else off; 2- and
+            4-bit codes only (the default skips 8-bit ones). Excludes stack_pages=True; default
+            block_k as stacked.
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -394,9 +401,16 @@ def decode_attention_lowbit_triton(
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
     # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
-    default_stack = tune.lowbit_stack_pages and not return_logits
+    # tokens_m writes its logits as the stacked kernel does: by default only without logits.
+    default_tm = tune.lowbit_tokens_m and not return_logits and bits < 8
+    tm = default_tm if tokens_m is None else bool(tokens_m)
+    if tm and stack_pages:
+        raise ValueError("tokens_m and stack_pages are two different kernels: set one of them")
+    if tm and bits == 8:
+        raise ValueError("tokens_m needs 2- or 4-bit codes, got 8 (the stacked kernel takes them)")
+    default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
-    if stack and block_k is None:
+    if (stack or tm) and block_k is None:
         block_k = stacked_block_k(tp, group)
     block_k = max(block_k or tune.lowbit_block_k, tp)
     if block_k & (block_k - 1):
@@ -405,14 +419,17 @@ def decode_attention_lowbit_triton(
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
     flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
     npg = block_k // tp
-    if stack:  # the G rows once per page of a step
+    sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
+    widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
+    asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
+    asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
+    if stack or tm:  # the G rows once per page of a step
+        from kvjax.pallas_kernels.decode_attention._triton_lowbit_tm import kernel_tokens_m
+
         qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
-        sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
-        widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
-        asm = tune.lowbit_asm_unpack if asm_unpack is None else bool(asm_unpack)
-        asm = asm and not interpret and asm_unpack_applies(bits, q.dtype, widths)
-        kernel = functools.partial(_kernel_stacked, page=tp, group=group, asm_unpack=asm)
+        kern = kernel_tokens_m if tm else _kernel_stacked
+        kernel = functools.partial(kern, page=tp, group=group, asm_unpack=asm)
     else:
         qp = pad_group(q)
         codes = (tier.k, tier.v)
@@ -433,7 +450,7 @@ def decode_attention_lowbit_triton(
         arrays,
         specs,
         qp,
-        group=npg * group if stack else group,
+        group=npg * group if stack or tm else group,
         splits=splits,
         slots=n_tok,
         return_logits=return_logits,
@@ -442,7 +459,7 @@ def decode_attention_lowbit_triton(
         interpret=interpret,
         name=f"kvjax_decode_int{bits}",
     )
-    return _unstack(res, npg, group, tp) if stack else res
+    return _unstack(res, npg, group, tp) if stack or tm else res
 
 
 def stacked_block_k(page: int, group: int) -> int:

@@ -185,14 +185,28 @@ LOWBIT_STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
-@pytest.mark.parametrize("block_k", [16, 32, None])
-@pytest.mark.parametrize("case", LOWBIT_STEP_CASES, ids=lambda c: f"{c.tiers}-{c.dtype}-g{c.ratio}")
-def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
+# (case, block_k, kernel): tokens_m (2- and 4-bit codes) at its default step only (2 pages,
+# 1 with 16 query heads).
+STEP_KERNELS = [(b, k) for b in (16, 32, None) for k in ("dequant", "stacked")]
+STEP_PARAMS = [
+    pytest.param(c, b, k, id=f"{c.tiers}-{c.dtype}-g{c.ratio}-{b}-{k}")
+    for c in LOWBIT_STEP_CASES
+    for b, k in STEP_KERNELS + ([(None, "tokens_m")] if c.bits < 8 else [])
+]
+KERNEL_KW = {
+    "dequant": dict(stack_pages=False),
+    "stacked": dict(stack_pages=True),
+    "tokens_m": dict(tokens_m=True),
+}
+
+
+@pytest.mark.parametrize(("case", "block_k", "kernel"), STEP_PARAMS)
+def test_triton_lowbit_loop_steps_match_float64(case, block_k, kernel):
     """The low-bit kernel at one and two pages per loop step (compiled on a GPU, interpreted
-    elsewhere), dequantizing keys or with the step's pages stacked on the query rows, against
-    the float64 oracle with the tolerance of the main class; block 32 spans two pages and overhangs
-    the tier; None is the default (stacked: as many pages as fit 16 rows, up to 2)."""
+    elsewhere), dequantizing keys, with the step's pages stacked on the query rows, or stacked
+    with tokens on the QK dot's M axis (tokens_m), against the float64 oracle with the tolerance
+    of the main class; block 32 spans two pages and overhangs the tier; None is the default
+    (stacked, tokens_m: as many pages as fit 16 rows, up to 2)."""
     from kvjax.pallas_kernels.decode_attention import (
         decode_attention_lowbit_triton,
         decode_attention_triton,
@@ -210,7 +224,7 @@ def test_triton_lowbit_loop_steps_match_float64(case, block_k, stack):
             q_pos,
             bits=case.bits,
             block_k=block_k,
-            stack_pages=stack,
+            **KERNEL_KW[kernel],
             **kw,
         ),
     ]
@@ -251,6 +265,40 @@ def test_lowbit_default_stacks_pages_only_without_logits(monkeypatch, logits):
     traced.clear()
     _triton_lowbit.decode_attention_lowbit_triton(q, lowbit, q_pos, stack_pages=True, **kw)
     assert set(traced) == {"_kernel_stacked"}
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_lowbit_default_tokens_m_only_without_logits(monkeypatch, logits):
+    """A Tuning with lowbit_tokens_m runs `kernel_tokens_m` by default when no logits are
+    returned (its logits are the stacked kernel's padded rows), the unstacked kernel when they
+    are; tokens_m with stack_pages, or with 8-bit codes, is one clear error."""
+    import dataclasses
+
+    from kvjax.pallas_kernels.decode_attention import _triton_lowbit, _triton_lowbit_tm
+
+    tune = dataclasses.replace(_triton_lowbit.tuning_for(), lowbit_tokens_m=True)
+    monkeypatch.setattr(_triton_lowbit, "tuning_for", lambda: tune)
+    jax.clear_caches()  # a trace cached by another test would skip the kernel choice
+    traced = []
+    for mod, name in ((_triton_lowbit, "_kernel"), (_triton_lowbit_tm, "kernel_tokens_m")):
+        real = getattr(mod, name)
+        spy = lambda *a, real=real, name=name, **k: (traced.append(name), real(*a, **k))[1]
+        monkeypatch.setattr(mod, name, spy)
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=64)
+    q, q_pos, _, _, lowbit = make_tiers(case, _seed("default_tokens_m", logits))
+    kw = dict(bits=4, scale=0.125, num_splits=2, return_logits=logits, interpret=True)
+    run = _triton_lowbit.decode_attention_lowbit_triton
+    jax.eval_shape(lambda q: run(q, lowbit, q_pos, **kw), q)
+    assert set(traced) == {"_kernel" if logits else "kernel_tokens_m"}
+    with pytest.raises(ValueError, match="tokens_m and stack_pages are two different kernels"):
+        _triton_lowbit.decode_attention_lowbit_triton(
+            q, lowbit, q_pos, tokens_m=True, stack_pages=True, **kw
+        )
+    q8, q8_pos, _, _, lowbit8 = make_tiers(Case("bfloat16", "fp+int8b", 4, 64), 1)
+    with pytest.raises(ValueError, match="tokens_m needs 2- or 4-bit codes, got 8"):
+        _triton_lowbit.decode_attention_lowbit_triton(
+            q8, lowbit8, q8_pos, tokens_m=True, **{**kw, "bits": 8}
+        )
 
 
 def _bad_inputs():

@@ -52,13 +52,14 @@ def test_dense_kernels_lower_for_h200(tier, logits):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["dequant", "stacked"])
+@pytest.mark.parametrize("kernel", ["dequant", "stacked", "tokens_m"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_lowbit_kernels_lower_for_h200(bits, stack):
+def test_lowbit_kernels_lower_for_h200(bits, kernel):
     q, q_pos = _q()
+    variant = dict(dequant=dict(stack_pages=False), stacked=dict(stack_pages=True))
     fn = functools.partial(
-        decode_attention_lowbit_triton, bits=bits, block_k=None if stack else 64,
-        stack_pages=stack,
+        decode_attention_lowbit_triton, bits=bits, block_k=64 if kernel == "dequant" else None,
+        **variant.get(kernel, dict(tokens_m=True, asm_unpack=True)),
         return_logits=True, **KNOBS,
     )  # fmt: skip
     assert export_cuda(fn, q, _tiers(bits)[2], q_pos).count("__gpu$xla.gpu.triton") == 1
