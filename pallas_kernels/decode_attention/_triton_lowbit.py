@@ -16,6 +16,7 @@ folds each page's key statistics into its q row.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,89 @@ def _kernel(
     _run_and_store(first, last, step, parts, w, gp, o_ref, lse_ref, group)
 
 
+class Stacked(NamedTuple):
+    """What the stacked kernels (`_kernel_stacked`, `kernel_tokens_m`) derive once from their
+    refs: sizes, the value chunks, each query row's page j, the q sub-blocks [Rp, sub] (float32),
+    the live extent in tokens and this program's loop range."""
+
+    npg: int
+    rp: int
+    n: int
+    sub: int
+    parts: list
+    w: int
+    pages_total: int
+    qpos: Array
+    row_page: Array
+    qk: list
+    extent: Array
+    n_pages: Array
+    first: Array
+    last: Array
+    js: list
+    grps: list
+    col_page: Array
+    sub_cols: Array
+    block_k: int
+
+
+def stacked_setup(
+    extent_ref, qpos_ref, q_ref, k_ref, ks_ref, vs_ref, page, group, bits, block_k, num_splits
+) -> Stacked:
+    """`Stacked` of a program's refs (see `_kernel_stacked` for their shapes)."""
+    n_tok, _ = k_ref.shape
+    rp, d = q_ref.shape
+    ng = vs_ref.shape[-1]
+    n = 8 // bits
+    sub = d // n  # channels per sub-block (= packed bytes per token)
+    parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
+    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
+    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
+    return Stacked(
+        npg=block_k // page,  # pages per loop step
+        rp=rp,
+        n=n,
+        sub=sub,
+        parts=parts,
+        w=min(sub, d // ng),
+        pages_total=ks_ref.shape[0],
+        qpos=qpos_ref[()],
+        row_page=lax.broadcasted_iota(jnp.int32, (rp,), 0) // group,  # j of every row
+        qk=[q_ref[:, pl.ds(i * sub, sub)].astype(jnp.float32) for i in range(n)],  # [Rp, sub]
+        extent=extent,
+        n_pages=pl.cdiv(extent, page),
+        first=first,
+        last=last,
+        js=sorted({j for _, j, _, _ in parts}),
+        grps=[jnp.int32(grp) for _, _, _, grp in parts],  # (the interpreter wants arrays)
+        col_page=lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page,  # page of every token
+        sub_cols=lax.broadcasted_iota(jnp.int32, (sub,), 0),
+        block_k=block_k,
+    )
+
+
+def stacked_loads(g: Stacked, it, pos_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref):
+    """Step it's loads, all issued before their first use: (rows, inb [T] in the live extent,
+    pos [T], key codes [T, sub], value codes {byte offset j: [T, w]}, key scales and zeros of
+    each row's page [Rp, sub] per sub-block (float32), value scales [T] per value chunk)."""
+    start = pl.multiple_of(it * g.block_k, g.block_k)
+    rows = pl.ds(start, g.block_k)
+    inb = start + lax.broadcasted_iota(jnp.int32, (g.block_k,), 0) < g.extent
+    prow = it * g.npg + g.row_page  # page of every query row in this step
+    pin = (g.row_page < g.npg) & (prow < g.n_pages)
+    prow = jnp.minimum(prow, g.pages_total - 1)
+    pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
+    kp = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)  # [block_k, sub]
+    vp = {j: plgpu.load(v_ref.at[rows, pl.ds(j, g.w)], mask=inb[:, None], other=0) for j in g.js}
+    stat = lambda ref, i: plgpu.load(  # [Rp, sub]: each row's page statistics (a gather)
+        ref.at[prow[:, None], i * g.sub + g.sub_cols[None, :]], mask=pin[:, None], other=0
+    ).astype(jnp.float32)
+    ks = [stat(ks_ref, i) for i in range(g.n)]
+    kz = [stat(kz_ref, i) for i in range(g.n)]
+    vs = [plgpu.load(vs_ref.at[rows, grp], mask=inb, other=0) for grp in g.grps]
+    return rows, inb, pos, kp, vp, ks, kz, vs
+
+
 def _kernel_stacked(
     extent_ref,  # [] int32 one past the last attended page
     qpos_ref,  # [] int32
@@ -258,46 +342,16 @@ def _kernel_stacked(
     flat code tile, with no per-code scaling and no [pages, Tp, w] relayout, in tensor-core rows
     that padding would otherwise waste.
     """
-    n_tok, _ = k_ref.shape
-    pages_total = ks_ref.shape[0]
-    npg = block_k // page  # pages per loop step
-    rp, d = q_ref.shape
-    ng = vs_ref.shape[-1]
-    n = 8 // bits
-    sub = d // n  # channels per sub-block (= packed bytes per token)
-    parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
-    w = min(sub, d // ng)
-    cdt = q_ref.dtype
-    qpos = qpos_ref[()]
-    row_page = lax.broadcasted_iota(jnp.int32, (rp,), 0) // group  # j of every row
-    qk = [q_ref[:, pl.ds(i * sub, sub)].astype(jnp.float32) for i in range(n)]  # [Rp, sub]
-    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
-    n_pages = pl.cdiv(extent, page)
-    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
-    js = sorted({j for _, j, _, _ in parts})
-    grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
-    col_page = lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page  # page of every column
-    sub_cols = lax.broadcasted_iota(jnp.int32, (sub,), 0)
+    g = stacked_setup(extent_ref, qpos_ref, q_ref, k_ref, ks_ref, vs_ref, page, group, bits,
+                      block_k, num_splits)  # fmt: skip
+    n, parts, w, rp = g.n, g.parts, g.w, g.rp
+    cdt, qpos, row_page, qk, col_page = q_ref.dtype, g.qpos, g.row_page, g.qk, g.col_page
 
     def step(it, carry):
         acc, m, l = carry
-        start = pl.multiple_of(it * block_k, block_k)
-        rows = pl.ds(start, block_k)
-        inb = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < extent
-        prow = it * npg + row_page  # page of every query row in this step
-        pin = (row_page < npg) & (prow < n_pages)
-        prow = jnp.minimum(prow, pages_total - 1)
-        # Every load of the step is issued before the first use.
-        pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
-        kp = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)  # [block_k, sub]
-        vp = {j: plgpu.load(v_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js}
-        stat = lambda ref, i: plgpu.load(  # [Rp, sub]: each row's page statistics (a gather)
-            ref.at[prow[:, None], i * sub + sub_cols[None, :]], mask=pin[:, None], other=0
-        ).astype(jnp.float32)
-        ks = [stat(ks_ref, i) for i in range(n)]
-        kz = [stat(kz_ref, i) for i in range(n)]
-        vs = [plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps]
-        vz = [plgpu.load(vz_ref.at[rows, g], mask=inb, other=0) for g in grps]
+        ld = stacked_loads(g, it, pos_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref)
+        rows, inb, pos, kp, vp, ks, kz, vs = ld
+        vz = [plgpu.load(vz_ref.at[rows, grp], mask=inb, other=0) for grp in g.grps]
         s = jnp.zeros((rp, block_k), jnp.float32)
         zq = jnp.zeros((rp,), jnp.float32)
         ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [block_k, sub] per sub-block
@@ -309,13 +363,13 @@ def _kernel_stacked(
         own = col_page[None, :] == row_page[:, None]  # a row attends its own page only
         s = jnp.where(own & ((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
         if return_logits:
-            store_rows(logits_ref[0], s, npg * group, rows, inb)
+            store_rows(logits_ref[0], s, g.npg * group, rows, inb)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])  # [Rp, T]
         l = l * corr + jnp.sum(p, axis=1)
 
-        vtiles = {j: unpack_tiles(vp[j], bits, cdt, asm_unpack) for j in js}
+        vtiles = {j: unpack_tiles(vp[j], bits, cdt, asm_unpack) for j in g.js}
 
         def vcodes(c):
             i, j, _, _ = parts[c]
@@ -323,7 +377,7 @@ def _kernel_stacked(
 
         return _values(acc, p, corr, vcodes, vs, vz, cdt), m_new, l
 
-    _run_and_store(first, last, step, parts, w, rp, o_ref, lse_ref, npg * group)
+    _run_and_store(g.first, g.last, step, parts, w, rp, o_ref, lse_ref, g.npg * group)
 
 
 @functools.partial(

@@ -23,8 +23,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas_kernels.decode_attention._triton import dot_f32, finish, split_range, store_rows
-from kvjax.pallas_kernels.decode_attention._triton_lowbit import _MAGIC, _NEG, chunks, unpack_tiles
+from kvjax.pallas_kernels.decode_attention._triton import dot_f32, finish, store_rows
+from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
+    _MAGIC,
+    _NEG,
+    stacked_loads,
+    stacked_setup,
+    unpack_tiles,
+)
 
 Array = jax.Array
 
@@ -52,48 +58,21 @@ def kernel_tokens_m(
     return_logits: bool,
     asm_unpack: bool = False,
 ):
-    n_tok, _ = k_ref.shape
-    pages_total = ks_ref.shape[0]
-    npg = block_k // page  # pages per loop step
-    rp, d = q_ref.shape
+    g = stacked_setup(extent_ref, qpos_ref, q_ref, k_ref, ks_ref, vs_ref, page, group, bits,
+                      block_k, num_splits)  # fmt: skip
+    parts, w, rp, npg = g.parts, g.w, g.rp, g.npg
+    qpos, row_page, qk, col_page = g.qpos, g.row_page, g.qk, g.col_page
     ng = vs_ref.shape[-1]
     ngp = max(16, pl.next_power_of_2(ng))  # zero-tile columns (the dot wants >= 16)
-    n = 8 // bits
-    sub = d // n  # channels per sub-block (= packed bytes per token)
-    parts = chunks(d, bits, ng)  # value chunks, one per (sub-block, value group)
-    w = min(sub, d // ng)
     cdt = q_ref.dtype
     f32 = jnp.float32
-    qpos = qpos_ref[()]
-    row_page = lax.broadcasted_iota(jnp.int32, (rp,), 0) // group  # j of every row
-    qk = [q_ref[:, pl.ds(i * sub, sub)].astype(f32) for i in range(n)]  # [Rp, sub]
-    extent = jnp.minimum(extent_ref[()] * page, n_tok)  # in tokens
-    n_pages = pl.cdiv(extent, page)
-    first, last = split_range(extent, pl.cdiv(n_tok, block_k), block_k, num_splits)
-    js = sorted({j for _, j, _, _ in parts})
-    grps = [jnp.int32(grp) for _, _, _, grp in parts]  # (the interpreter wants arrays)
-    col_page = lax.broadcasted_iota(jnp.int32, (block_k,), 0) // page  # page of every token
-    sub_cols = lax.broadcasted_iota(jnp.int32, (sub,), 0)
     zcols = lax.broadcasted_iota(jnp.int32, (ngp,), 0)
 
     def step(it, carry):
         acc, zacc, m, l = carry
+        ld = stacked_loads(g, it, pos_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref)
+        rows, inb, pos, kp, vp, ks, kz, vs = ld
         start = pl.multiple_of(it * block_k, block_k)
-        rows = pl.ds(start, block_k)
-        inb = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < extent
-        prow = it * npg + row_page  # page of every query row in this step
-        pin = (row_page < npg) & (prow < n_pages)
-        prow = jnp.minimum(prow, pages_total - 1)
-        # Every load of the step is issued before the first use.
-        pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
-        kp = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)  # [T, sub]
-        vp = {j: plgpu.load(v_ref.at[rows, pl.ds(j, w)], mask=inb[:, None], other=0) for j in js}
-        stat = lambda ref, i: plgpu.load(  # [Rp, sub]: each row's page statistics (a gather)
-            ref.at[prow[:, None], i * sub + sub_cols[None, :]], mask=pin[:, None], other=0
-        ).astype(f32)
-        ks = [stat(ks_ref, i) for i in range(n)]
-        kz = [stat(kz_ref, i) for i in range(n)]
-        vs = [plgpu.load(vs_ref.at[rows, g], mask=inb, other=0) for g in grps]
         zt = plgpu.load(  # [T, NGp] every group's value zeros, zero-padded columns
             vz_ref.at[start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)[:, None],
                       jnp.minimum(zcols, ng - 1)[None, :]],
@@ -115,7 +94,7 @@ def kernel_tokens_m(
         l = l * corr + jnp.sum(pt, axis=0)
         p = pt.T  # [Rp, T]
         zacc = zacc * corr[:, None] + dot_f32(p.astype(cdt), zt.astype(cdt), trans_b=False)
-        vtiles = {j: unpack_pairs(vp[j], bits, cdt, asm_unpack) for j in js}
+        vtiles = {j: unpack_pairs(vp[j], bits, cdt, asm_unpack) for j in g.js}
         new = []
         for a, vsc, (i, j, _, _) in zip(acc, vs, parts, strict=True):
             ps = (p * vsc.astype(f32)[None, :]).astype(cdt)
@@ -128,7 +107,7 @@ def kernel_tokens_m(
         jnp.full((rp,), _NEG, f32),
         jnp.zeros((rp,), f32),
     )
-    acc, zacc, m, l = lax.fori_loop(first, last, step, init)
+    acc, zacc, m, l = lax.fori_loop(g.first, g.last, step, init)
     # Σ p·zero of chunk c's group, once: column grp of the zero accumulator.
     col = lambda grp: jnp.sum(jnp.where((zcols == grp)[None, :], zacc, 0.0), axis=1)
     acc = [a + col(grp)[:, None] for a, (_, _, _, grp) in zip(acc, parts, strict=True)]
