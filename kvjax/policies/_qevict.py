@@ -202,7 +202,7 @@ class QEvictPolicy(Policy):
         st, plan = jax.lax.cond(
             jnp.any(event), lambda ops: jax.vmap(one)(*ops), skip, (pre.st, pre.new_score)
         )
-        jobs = jax.vmap(lambda p, s, pl: self._job(p, s, pl))(pre, st, plan)
+        jobs = jax.vmap(self._job)(pre, st, plan)
         return apply_moves_stacked(jobs, lay, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
