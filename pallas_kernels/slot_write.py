@@ -102,6 +102,17 @@ def write_slots(*writes: SlotWrite, interpret: bool = False) -> tuple[tuple[Arra
         interpret: run in the Pallas interpreter (CPU tests).
     """
     _check(writes)
+    views = [tuple(_wide(a) for a in w.arrays) for w in writes]
+    writes = tuple(
+        w._replace(
+            arrays=tuple(x for x, _ in v),
+            rows=tuple(
+                r if x is a else _wide(r.astype(a.dtype))[0]
+                for r, (x, a) in zip(w.rows, v, strict=True)
+            ),
+        )
+        for w, v in zip(writes, views, strict=True)
+    )
     b, h = writes[0].slots.shape[:2]
     inputs, in_specs, out_specs, out_shape, aliases, layout = [], [], [], [], {}, []
     for w in writes:
@@ -128,7 +139,30 @@ def write_slots(*writes: SlotWrite, interpret: bool = False) -> tuple[tuple[Arra
         name="kvjax_slot_write",
     )(*inputs)
     result, o = [], 0
-    for w in writes:
-        result.append(tuple(outs[o : o + len(w.arrays)]))
-        o += len(w.arrays)
+    for v in views:
+        result.append(
+            tuple(_narrow(x, a) for x, (_, a) in zip(outs[o : o + len(v)], v, strict=True))
+        )
+        o += len(v)
     return tuple(result)
+
+
+def _wide(a: Array) -> tuple[Array, Array]:
+    """(a view of `a` the kernel indexes safely, `a`): a 1-byte array [..., D] as D/4 int32
+    words (or D/2 int16), a bitcast. Pallas' Triton lowering indexes an array of at most
+    2^32 bytes with 32-bit signed element offsets, so a 1-byte array of 2-4 GiB (a layer
+    stack of INT8 codes: 32 layers, B = 8, 8 heads, 12.6K slots, D = 128) overflows them and
+    the kernel writes outside the buffer; as words its element offsets stay below 2^30."""
+    if a.dtype.itemsize != 1 or a.ndim < 4:
+        return a, a
+    for n, dt in ((4, jnp.int32), (2, jnp.int16)):
+        if a.shape[-1] % n == 0:
+            return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], -1, n), dt), a
+    return a, a
+
+
+def _narrow(x: Array, a: Array) -> Array:
+    """`_wide`'s view back to the array's own dtype and shape."""
+    if x.dtype == a.dtype:
+        return x
+    return jax.lax.bitcast_convert_type(x, a.dtype).reshape(a.shape)

@@ -78,7 +78,10 @@ if bits in (2, 4):
     stack = bool(knobs.pop("stack_pages", tune.lowbit_stack_pages and not tm))
     kw["tokens_m"] = tm
     kw["asm_unpack"] = bool(knobs.pop("asm_unpack", tune.lowbit_asm_unpack))
-    block = knobs.pop("block_k", stacked_block_k(PAGE, G) if stack else tune.lowbit_block_k)
+    block = knobs.pop(
+        "block_k",
+        stacked_block_k(PAGE, G, tune.lowbit_stacked_pages) if stack else tune.lowbit_block_k,
+    )
     stages = knobs.pop("num_stages", tune.lowbit_num_stages)
     kw |= dict(bits=bits, stack_pages=stack, num_stages=stages)
     fn, tier = decode_attention_lowbit_triton, lowbit

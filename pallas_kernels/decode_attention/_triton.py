@@ -25,6 +25,9 @@ from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
 Array = jax.Array
+# Pallas' Triton lowering indexes an array of at most 2^32 bytes with 32-bit signed element
+# offsets: a 1-byte array of this many elements or more would overflow them.
+_BYTE_OFFSETS = 2**31
 _NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
 
 
@@ -108,7 +111,7 @@ def _kernel(
     extent_ref,  # [] int32 one past the last occupied slot of this (sequence, KV head)
     qpos_ref,  # [] int32 position of the query
     q_ref,  # [Gp, D] queries of the KV head's group, rows >= G zero
-    k_ref,  # [C, D] keys (float or int8 codes)
+    k_ref,  # [C, D] keys (float or int8 codes), or [C, D/2] int16 pairs of codes (k_pairs)
     v_ref,  # [C, D] values (float or int8 codes), or [C, D/4] int32 words of 4 codes (v_words)
     pos_ref,  # [C] int32, -1 = empty
     *refs,  # pooled: head_ref [C] int32; INT8: ks_ref, vs_ref [C] f32; then o_ref [Gp, D],
@@ -123,6 +126,7 @@ def _kernel(
     return_logits: bool,
     pool_group: int = 0,
     stacked_batch: int = 0,
+    k_pairs: bool = False,
 ):
     # pool_group > 0: the slots are a pool shared by KV heads (`_triton_pooled.py`), q holds
     # every query head, row r belongs to KV head r // pool_group and sees only that head's slots.
@@ -138,17 +142,19 @@ def _kernel(
         if quantized:
             ks_ref, vs_ref = stacked_rows(layer_ref, stacked_batch, ks_ref, vs_ref)
     o_ref, lse_ref, *logits_ref = refs
-    cap, d = k_ref.shape
-    gp = q_ref.shape[0]
+    cap = k_ref.shape[0]
+    gp, d = q_ref.shape
     qpos = qpos_ref[()]
     cdt = q_ref.dtype if quantized else k_ref.dtype
+    # k_pairs: q's channels come ordered [even | odd], each half dotted with one byte of the pairs
+    halves = (q_ref[:, : d // 2], q_ref[:, d // 2 :]) if k_pairs else (q_ref[...],)
     if int8_qk:  # symmetric per query head: q ≈ q_scale · q8, |q8| <= 127
-        qf = q_ref[...].astype(jnp.float32)
-        q_scale = jnp.max(jnp.abs(qf), axis=1) / 127.0
-        q_scale = jnp.where(q_scale > 0, q_scale, 1.0)
-        q = jnp.floor(qf / q_scale[:, None] + 0.5).astype(jnp.int8)
+        qf = [h.astype(jnp.float32) for h in halves]
+        q_scale = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h), axis=1) for h in qf])
+        q_scale = jnp.where(q_scale > 0, q_scale / 127.0, 1.0)
+        qs = [jnp.floor(h / q_scale[:, None] + 0.5).astype(jnp.int8) for h in qf]
     else:
-        q = q_ref[...].astype(cdt)
+        qs = [h.astype(cdt) for h in halves]
     extent = jnp.minimum(extent_ref[()], cap)
     first, last = split_range(extent, pl.cdiv(cap, block_k), block_k, num_splits)
 
@@ -159,10 +165,21 @@ def _kernel(
         inb = start + jnp.arange(block_k, dtype=jnp.int32) < extent  # never load past it
         pos = plgpu.load(pos_ref.at[rows], mask=inb, other=-1)
         k = plgpu.load(k_ref.at[rows, :], mask=inb[:, None], other=0)
-        if int8_qk:  # int32 products of codes, exact in float32 (|s| < 127² · D < 2^24)
-            s = dot_f32(q, k, trans_b=True).astype(jnp.float32) * q_scale[:, None]
+        # k_pairs: channel 2c in the low byte of pair c, 2c + 1 in the high one (sign-extended)
+        if k_pairs:
+            eight = jnp.int16(8)
+            ks = (
+                lax.shift_right_arithmetic(k << eight, eight),
+                lax.shift_right_arithmetic(k, eight),
+            )
         else:
-            s = dot_f32(q, k.astype(cdt), trans_b=True)  # [Gp, bk]
+            ks = (k,)
+        pairs = list(zip(qs, ks, strict=True))
+        if int8_qk:  # int32 products of codes, exact in float32 (|s| < 127² · D < 2^24)
+            s = sum(dot_f32(a, b.astype(jnp.int8), trans_b=True) for a, b in pairs)
+            s = s.astype(jnp.float32) * q_scale[:, None]
+        else:
+            s = sum(dot_f32(a, b.astype(cdt), trans_b=True) for a, b in pairs)  # [Gp, bk]
         if quantized:
             s = s * (plgpu.load(ks_ref.at[rows], mask=inb, other=0.0) * scale)[None, :]
         else:
@@ -289,6 +306,7 @@ def launch(
         "return_logits",
         "int8_qk",
         "v_words",
+        "k_pairs",
         "interpret",
     ),
 )
@@ -306,6 +324,7 @@ def decode_attention_triton(
     return_logits: bool = False,
     int8_qk: bool | None = None,
     v_words: bool | None = None,
+    k_pairs: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one full-precision or INT8 tier.
@@ -325,7 +344,12 @@ def decode_attention_triton(
             that size), off for float16/float32 q, which keep their precision.
         v_words: INT8 tier only: read value codes as int32 words of 4 channels and split the
             bytes in registers (4 value dots of D/4 channels), so no code is loaded from shared
-            memory one byte at a time; default from the device's Tuning.
+            memory one byte at a time; default from the device's Tuning, and always for
+            value codes of 2^31 bytes or more (see k_pairs).
+        k_pairs: INT8 tier only: read key codes as int16 pairs of channels (2 key dots of D/2
+            channels). Default: for key codes of 2^31 bytes or more (a layer stack of them),
+            which Pallas' Triton lowering would index with overflowing 32-bit offsets (it
+            widens them only past 2^32 bytes); the pairs' element offsets stay below 2^31.
         interpret: run the kernel in the Pallas interpreter (CPU tests).
         layer: None, or a traced int32 scalar: the tier's k, v, pos (and scales) are then a
             stack [L, B, Hkv, ...] of L layers (extent stays this layer's [B, Hkv]) and the
@@ -352,17 +376,25 @@ def decode_attention_triton(
     cap = tier.pos.shape[-1]
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
     qp = pad_group(q)
-    v = tier.v
-    if v_words and v.shape[-1] % 4:
-        raise ValueError(f"v_words needs a head dim divisible by 4, got {v.shape[-1]}")
+    if k_pairs and not quantized:
+        raise ValueError("k_pairs applies to an Int8Tier only (a FullTier has no int8 keys)")
+    k_pairs = quantized and (tier.k.size >= _BYTE_OFFSETS if k_pairs is None else bool(k_pairs))
+    v_words = v_words or (quantized and tier.v.size >= _BYTE_OFFSETS)
+    k, v = tier.k, tier.v
+    for name, on, a, n in (("k_pairs", k_pairs, k, 2), ("v_words", v_words, v, 4)):
+        if on and a.shape[-1] % n:
+            raise ValueError(f"{name} needs a head dim divisible by {n}, got {a.shape[-1]}")
+    if k_pairs:  # [C, D] int8 → [C, D/2] int16 (a bitcast), q's channels reordered to match
+        k = lax.bitcast_convert_type(k.reshape(*k.shape[:-1], k.shape[-1] // 2, 2), jnp.int16)
+        qp = jnp.concatenate([qp[..., 0::2], qp[..., 1::2]], axis=-1)
     if v_words:  # [C, D] int8 → [C, D/4] int32 (a bitcast, no copy)
         v = lax.bitcast_convert_type(v.reshape(*v.shape[:-1], v.shape[-1] // 4, 4), jnp.int32)
-    arrays = [tier.extent, q_pos, qp, tier.k, v, tier.pos]
+    arrays = [tier.extent, q_pos, qp, k, v, tier.pos]
     specs = [
         head_spec(),
         pl.BlockSpec((None,), lambda i, j, s: (i,)),
         head_spec(*qp.shape[2:]),
-        head_spec(*tier.k.shape[2:]),
+        head_spec(*k.shape[2:]),
         head_spec(*v.shape[2:]),
         head_spec(cap),
     ]
@@ -380,6 +412,7 @@ def decode_attention_triton(
         quantized=quantized,
         int8_qk=int8_qk,
         v_words=v_words,
+        k_pairs=k_pairs,
         scale=scale,
         block_k=block_k,
         num_splits=splits,

@@ -465,7 +465,7 @@ def decode_attention_lowbit_triton(
     default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
     if (stack or tm) and block_k is None:
-        block_k = stacked_block_k(tp, group)
+        block_k = stacked_block_k(tp, group, tune.lowbit_stacked_pages)
     block_k = max(block_k or tune.lowbit_block_k, tp)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of 2, got {block_k}")
@@ -516,11 +516,10 @@ def decode_attention_lowbit_triton(
     return _unstack(res, npg, group, tp) if stack or tm else res
 
 
-def stacked_block_k(page: int, group: int) -> int:
-    """The stacked kernel's default step: the most pages (a power of 2, at most 2) whose G
-    query rows each fit the 16-row tile (4 pages of 32 tokens spill registers on sm_90:
-    scripts/kernel_sass.py)."""
-    return page * min(2, 1 << (max(1, 16 // group).bit_length() - 1))
+def stacked_block_k(page: int, group: int, max_pages: int = 2) -> int:
+    """The stacked kernel's default step: the most pages (a power of 2, at most `max_pages`,
+    the device's `Tuning.lowbit_stacked_pages`) whose G query rows each fit the 16-row tile."""
+    return page * min(max_pages, 1 << (max(1, 16 // group).bit_length() - 1))
 
 
 def _unstack(res: Partials, npg: int, group: int, page: int) -> Partials:

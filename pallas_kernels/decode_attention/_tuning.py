@@ -23,6 +23,8 @@ class Tuning:
         lowbit_stack_pages: the low-bit kernel stacks a step's pages on the padded query rows
             (statistics folded into q) instead of dequantizing keys in registers, when it
             returns no logits (with logits the unstacked kernel is faster: docs/decisions.md).
+        lowbit_stacked_pages: most pages per loop step of the stacked low-bit kernel (a power
+            of 2; fewer when G query rows per page would overflow its 16-row tile).
         lowbit_asm_unpack: the stacked low-bit kernel converts 2/4-bit codes to bfloat16/float16
             with inline PTX (a LOP3 and a packed FMA per 2 codes) instead of jnp conversions.
         lowbit_tokens_m: the low-bit kernel puts a step's tokens on the dots' M axis (keys
@@ -44,6 +46,7 @@ class Tuning:
     lowbit_block_k: int = 64
     lowbit_num_stages: int = 2
     lowbit_stack_pages: bool = False
+    lowbit_stacked_pages: int = 2
     lowbit_asm_unpack: bool = False
     lowbit_tokens_m: bool = False
     int8_qk: bool = False
@@ -67,6 +70,10 @@ _HOPPER = Tuning(
     int8_qk=True,
     int8_v_words=True,
     lowbit_stack_pages=True,
+    # 4 pages of 32 tokens per step (128): INT4 212.2 -> 179.4 us at B = 8, S = 16K and
+    # 382.2 -> 313.0 at 32K, INT2 210.1 -> 166.8 at 16K, though SASS shows 40-72 B of spills
+    # (H200, 2026-12-02; docs/lab/2026-12-02-gpu-rows.md).
+    lowbit_stacked_pages=4,
     lowbit_asm_unpack=True,
     # The Mosaic GPU kernels ran slower than Triton on every tier they cover (H200, 2026-12-01,
     # B = 8, S = 32K: BF16 328.5 vs 294.7 µs, INT8 315.7 vs 192.5 µs; docs/lab/

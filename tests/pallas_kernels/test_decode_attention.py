@@ -453,6 +453,50 @@ def test_triton_int8_value_words_match_float64(case, int8_qk):
     np.testing.assert_array_equal(np.asarray(words.lse), np.asarray(plain.lse))
 
 
+@pytest.mark.parametrize("int8_qk", [False, True], ids=["cvt-qk", "int8-qk"])
+@pytest.mark.parametrize("case", INT8_QK_CASES, ids=lambda c: f"{c.dtype}-g{c.ratio}-d{c.head_dim}")
+def test_triton_int8_key_pairs_match_float64(case, int8_qk):
+    """The INT8 kernel reading key codes as int16 pairs of channels (the view a stack of 2^31
+    code bytes or more needs; 2 key dots over q's even and odd channels) against the float64
+    oracle, and against the byte-wise kernel: with int8 QK the same integer sums, so equal
+    logits; with converted codes equal to float32 rounding."""
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    interpret = jax.default_backend() != "gpu"
+    q, q_pos, full, int8, _ = make_tiers(case, _seed("k_pairs", case, int8_qk))
+    scale = q.shape[-1] ** -0.5
+    kw = dict(scale=scale, num_splits=2, block_k=16, int8_qk=int8_qk, return_logits=True)
+    kw |= dict(interpret=interpret)
+    full_part = decode_attention_triton(q, full, q_pos, **kw | dict(int8_qk=None))
+    pairs, plain = (decode_attention_triton(q, int8, q_pos, k_pairs=f, **kw) for f in (True, False))
+    got_out, _ = combine([full_part, pairs])
+    out, _, _, seen = oracle(q, q_pos, full, int8, None, None, scale)
+    got = np.asarray(got_out, np.float64)
+    assert np.all(np.isfinite(got))
+    tol = TOL["bfloat16"] if int8_qk else TOL[case.dtype]
+    assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
+    # slots past the extent are never written (on a GPU: whatever the buffer held)
+    vis = np.broadcast_to(seen[1][:, :, None], plain.logits.shape)
+    a, b = np.asarray(pairs.logits)[vis], np.asarray(plain.logits)[vis]
+    if int8_qk:
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pairs.out), np.asarray(plain.out), rtol=1e-5, atol=1e-6)
+
+
+def test_key_pairs_need_an_int8_tier_and_an_even_head_dim():
+    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
+
+    case = Case(dtype="bfloat16", tiers="fp+int8", ratio=2, head_dim=64)
+    q, q_pos, full, int8, _ = make_tiers(case, 0)
+    with pytest.raises(ValueError, match="k_pairs applies to an Int8Tier only"):
+        decode_attention_triton(q, full, q_pos, scale=0.125, k_pairs=True, interpret=True)
+    odd = int8._replace(k=int8.k[..., :63], v=int8.v[..., :63])
+    with pytest.raises(ValueError, match="k_pairs needs a head dim divisible by 2, got 63"):
+        decode_attention_triton(q[..., :63], odd, q_pos, scale=0.1, k_pairs=True, interpret=True)
+
+
 def test_value_words_need_an_int8_tier():
     from kvjax.pallas_kernels.decode_attention import decode_attention_triton
 

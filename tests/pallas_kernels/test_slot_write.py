@@ -62,6 +62,18 @@ def test_equals_xla_scatter(b, h, n, caps, seed):
             np.testing.assert_array_equal(np.asarray(o), np.asarray(_scatter(a, g.slots, r)))
 
 
+@pytest.mark.parametrize("d", [2, 1])
+def test_byte_arrays_of_any_width_equal_xla_scatter(d):
+    """1-byte arrays go to the kernel as int32 words (D % 4 == 0, the case above), int16 pairs
+    (D % 2 == 0) or as they are: every view writes what the scatter writes (widths a power of
+    2, as Triton's lowering needs)."""
+    g = _group(jax.random.key(d), 2, 2, 9, 2, d, INT8)
+    (out,) = write_slots(g, interpret=INTERPRET)
+    for a, r, o in zip(g.arrays, g.rows, out, strict=True):
+        assert o.dtype == a.dtype and o.shape == a.shape
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(_scatter(a, g.slots, r)))
+
+
 def test_negative_slots_are_dropped():
     g = _group(jax.random.key(3), 2, 2, 8, 1, 16, RING)
     (out,) = write_slots(g._replace(slots=jnp.full_like(g.slots, -1)), interpret=INTERPRET)

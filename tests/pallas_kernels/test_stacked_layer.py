@@ -40,7 +40,8 @@ def test_stacked_layer_equals_the_sliced_layer_and_float64(tiers, logits):
     # every layer's extent is layer 1's, so the stack can carry one extent
     layers = [t._replace(extent=layers[1].extent) for t in layers]
     stacked = _stack(layers)
-    kw = dict(scale=0.3, block_k=16, num_splits=2, return_logits=logits, interpret=True)
+    interpret = jax.default_backend() != "gpu"  # compiled on a GPU, interpreted elsewhere
+    kw = dict(scale=0.3, block_k=16, num_splits=2, return_logits=logits, interpret=interpret)
     run = jax.jit(lambda i: decode_attention_triton(q, stacked, q_pos, i, **kw))
     got = run(jnp.int32(1))
     want = decode_attention_triton(q, layers[1], q_pos, **kw)
@@ -76,6 +77,57 @@ def test_stacked_layer_kernel_lowers_for_h200(tier):
     q, q_pos, layer = sds((2, 8, 4, 128), jnp.bfloat16), sds((2,), jnp.int32), sds((), jnp.int32)
     text = export_cuda(fn, q, stack, q_pos, layer)
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize(("slots", "wide"), [(1000, False), (8192, True)])
+def test_int8_stack_of_2_31_code_bytes_is_read_as_pairs_and_words(monkeypatch, slots, wide):
+    """Pallas' Triton lowering indexes an array of at most 2^32 bytes with 32-bit offsets: a
+    stack of INT8 codes of 2^31 bytes or more (here 32 layers × B 8 × 8 heads × 8192 slots ×
+    128) is handed to the kernel as int16 key pairs and int32 value words, whose element
+    offsets fit; a smaller stack keeps the tuned layout. Lowered only (no memory needed)."""
+    from kvjax.pallas_kernels.decode_attention import _triton
+
+    seen = []
+    kernel = _triton._kernel
+    monkeypatch.setattr(_triton, "_kernel", lambda *a, **kw: seen.append(kw) or kernel(*a, **kw))
+    sds = jax.ShapeDtypeStruct
+    _, int8, _ = abstract_tiers(8, 8, 128, 64, slots, 20, 32, 32, 2, jnp.bfloat16)
+    grow = lambda f, a: a if f == "extent" else sds((32, *a.shape), a.dtype)
+    stack = type(int8)(**{f: grow(f, a) for f, a in int8._asdict().items()})
+    assert (stack.k.size >= 2**31) == wide
+    fn = functools.partial(
+        decode_attention_triton, scale=0.1, block_k=64, num_splits=4, v_words=False
+    )
+    q, q_pos, layer = sds((8, 8, 4, 128), jnp.bfloat16), sds((8,), jnp.int32), sds((), jnp.int32)
+    export_cuda(fn, q, stack, q_pos, layer)
+    assert seen and all(kw["k_pairs"] == wide and kw["v_words"] == wide for kw in seen)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 2.2 GB stack on a GPU")
+def test_int8_stack_past_2_31_code_bytes_reads_its_last_layer():
+    """On the GPU: the last layer of a stack of 2^31+ INT8 code bytes, read in place, equals
+    that layer sliced out (the unwidened offsets wrapped negative: an illegal address)."""
+    b, hkv, g, d, c, layers = 8, 8, 4, 128, 8200, 32
+    ks = jax.random.split(jax.random.key(0), 4)
+    codes = lambda k: jax.random.randint(k, (layers, b, hkv, c, d), -127, 128, jnp.int8)
+    scales = jnp.full((layers, b, hkv, c), 0.01, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (layers, b, hkv, c))
+    from kvjax.pallas_kernels.decode_attention import Int8Tier
+
+    extent = jnp.full((b, hkv), c, jnp.int32)
+    stack = Int8Tier(codes(ks[0]), codes(ks[1]), scales, scales, pos, extent)
+    q = jax.random.normal(ks[2], (b, hkv, g, d), jnp.bfloat16)
+    q_pos = jnp.full((b,), c, jnp.int32)
+    kw = dict(scale=0.1)
+    got = decode_attention_triton(q, stack, q_pos, jnp.int32(layers - 1), **kw)
+    one = jax.tree.map(lambda a: a[-1], stack._replace(extent=None))._replace(extent=extent)
+    want = decode_attention_triton(q, one, q_pos, **kw)
+    np.testing.assert_allclose(
+        np.asarray(combine([got])[0], np.float32),
+        np.asarray(combine([want])[0], np.float32),
+        rtol=1e-2,
+        atol=1e-2,
+    )
 
 
 def test_stacked_layer_bad_inputs_raise_clear_errors():
