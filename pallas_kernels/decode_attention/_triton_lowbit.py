@@ -453,6 +453,14 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
+    for name in ("k", "v"):  # Pallas' Triton lowering: 32-bit offsets up to 2^32 bytes
+        n = getattr(tier, name).size
+        if 2**31 <= n <= 2**32:
+            raise ValueError(
+                f"the Triton low-bit kernel cannot index LowBitTier.{name}: {n} bytes of codes "
+                "(2-4 GiB) overflow the 32-bit offsets Pallas' Triton lowering uses for arrays "
+                "up to 2^32 bytes; split the batch or the heads over calls"
+            )
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
     # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
     # tokens_m writes its logits as the stacked kernel does: by default only without logits.

@@ -142,3 +142,18 @@ def test_stacked_layer_bad_inputs_raise_clear_errors():
         decode_attention_triton(q, bad, q_pos, jnp.int32(0), **kw)
     with pytest.raises(ValueError, match="integer scalar"):
         decode_attention_triton(q, stacked, q_pos, jnp.zeros((2,), jnp.int32), **kw)
+
+
+def test_lowbit_codes_of_2_to_4_gib_are_one_clear_error():
+    """The low-bit kernel's packed codes stay 1-byte arrays: 2^31 to 2^32 bytes of them (here
+    B 32 × 8 heads × 4096 pages × 32 tokens × 64 bytes) would be indexed with overflowing
+    32-bit offsets, so they are refused by name at trace time (abstract shapes, no memory)."""
+    from kvjax.pallas_kernels.decode_attention import decode_attention_lowbit_triton
+
+    _, _, lowbit = abstract_tiers(32, 8, 128, 64, 64, 4096, 32, 32, 4, jnp.bfloat16)
+    assert lowbit.k.size == 2**31
+    sds = jax.ShapeDtypeStruct
+    q, q_pos = sds((32, 8, 4, 128), jnp.bfloat16), sds((32,), jnp.int32)
+    fn = functools.partial(decode_attention_lowbit_triton, bits=4, scale=0.1)
+    with pytest.raises(ValueError, match=r"LowBitTier.k: 2147483648 bytes of codes \(2-4 GiB\)"):
+        jax.eval_shape(fn, q, lowbit, q_pos)
