@@ -71,6 +71,7 @@ from kvjax.eval._ruler import (
     ruler_policy,
     ruler_summary,
     run_ruler,
+    write_ruler_json,
     write_ruler_outputs,
 )
 from kvjax.eval._ruler_tasks import TASKS as RULER_TASKS
@@ -104,6 +105,7 @@ __all__ = [
     "ruler_summary",
     "run_ruler",
     "string_match_all",
+    "write_ruler_json",
     "write_ruler_outputs",
     "bench_decode",
     "bench_kernel",

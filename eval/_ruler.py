@@ -170,9 +170,12 @@ def run_ruler(
     seed: int = 0,
     max_new_tokens: int = 32,
     on_sample: Callable[[str], None] | None = None,
+    on_row: Callable[[list[RulerRow]], None] | None = None,
 ) -> list[RulerRow]:
     """Every policy × ratio × task × length, `samples` seeded prompts each ("full" runs once,
-    at ratio 0). A policy is a registry name or `adakv-<press>` (`ruler_policy`)."""
+    at ratio 0). A policy is a registry name or `adakv-<press>` (`ruler_policy`). `on_row` gets
+    the rows so far after each (task, length, policy, ratio) cell, e.g. to save them as they
+    come (the CLI rewrites its JSON, so a run cut short keeps its finished cells)."""
     check_ruler_policies(policies)
     check_ruler_args(tasks, lengths, ratios, samples)
     rows = []
@@ -203,6 +206,8 @@ def run_ruler(
                             answers=[g[0] for g in got],
                         )
                     )
+                    if on_row is not None:
+                        on_row(list(rows))
     return rows
 
 
@@ -219,6 +224,16 @@ def ruler_summary(rows: Sequence[RulerRow]) -> list[dict]:
     return out
 
 
+def write_ruler_json(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> str:
+    """ruler.json: meta + rows (written whole each time, so a reader never sees half a file
+    for long: the text is replaced in one write)."""
+    d = pathlib.Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    j = d / "ruler.json"
+    j.write_text(json.dumps({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    return str(j)
+
+
 def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> tuple[str, str]:
     """ruler.json (meta + rows) and ruler.png (score vs compression ratio per policy)."""
     import matplotlib
@@ -226,10 +241,8 @@ def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    d = pathlib.Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    j, png = d / "ruler.json", d / "ruler.png"
-    j.write_text(json.dumps({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    j = write_ruler_json(rows, out_dir, meta)
+    png = pathlib.Path(out_dir) / "ruler.png"
     summary = ruler_summary(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     full = [s["score"] for s in summary if s["policy"] == "full"]

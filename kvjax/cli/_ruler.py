@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         check_ruler_policies,
         ruler_summary,
         run_ruler,
+        write_ruler_json,
         write_ruler_outputs,
     )
 
@@ -62,11 +63,24 @@ def run(args: argparse.Namespace) -> int:
     model = load(args)
     per = len(args.tasks) * len(args.lengths) * args.samples
     total = per * sum(1 if n == "full" else len(args.ratios) for n in args.policy)
+    meta = dict(
+        model=model.config.name,
+        lengths=args.lengths,
+        tasks=args.tasks,
+        samples=args.samples,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        protocol="compress once (kvpress), then question",
+        scoring="string_match_all x100",
+    )
     with tqdm(total=total, desc="ruler", unit="sample") as bar:  # stderr, also under --json
 
         def step(label: str) -> None:
             bar.set_postfix_str(label)
             bar.update()
+
+        def partial(rows) -> None:  # a run cut short keeps every finished cell
+            write_ruler_json(rows, args.out_dir, meta | {"complete": False})
 
         rows = run_ruler(
             model,
@@ -78,18 +92,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_new_tokens=args.max_new_tokens,
             on_sample=step,
+            on_row=partial,
         )
-    meta = dict(
-        model=model.config.name,
-        lengths=args.lengths,
-        tasks=args.tasks,
-        samples=args.samples,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        protocol="compress once (kvpress), then question",
-        scoring="string_match_all x100",
-    )
-    j, png = write_ruler_outputs(rows, args.out_dir, meta)
+    j, png = write_ruler_outputs(rows, args.out_dir, meta | {"complete": True})
     emit(ruler_summary(rows), as_json=args.json, title=f"RULER score ({model.config.name})")
     if not args.json:
         print(f"wrote {j} and {png}")

@@ -154,9 +154,12 @@ def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
 
     model = LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
     names = ["full", "snapkv", "kvzip", "adakv", "adakv-kvzip"]
+    seen = []  # what on_row saw after each cell: the rows so far, one more each time
     rows = run_ruler(model, names, tasks=["niah_single_1"], lengths=[300],
-                     ratios=[0.5], samples=1, max_new_tokens=4)  # fmt: skip
+                     ratios=[0.5], samples=1, max_new_tokens=4,
+                     on_row=seen.append)  # fmt: skip
     assert [(r.policy, r.ratio) for r in rows] == [("full", 0.0)] + [(n, 0.5) for n in names[1:]]
+    assert [len(s) for s in seen] == list(range(1, len(rows) + 1)) and seen[-1] == rows
     sample = build_sample(model.tokenizer, "niah_single_1", 300, 0)
     for r in rows:
         assert r.score == string_match_all(r.answers, [sample.answers])
