@@ -428,61 +428,41 @@ def test_tuned_int8_qk_applies_to_bfloat16_queries_only(monkeypatch, dtype, on):
     assert not np.array_equal(np.asarray(default.logits), np.asarray(other.logits))
 
 
+@pytest.mark.parametrize("view", ["v_words", "k_pairs"])
 @pytest.mark.parametrize("int8_qk", [False, True], ids=["cvt-qk", "int8-qk"])
 @pytest.mark.parametrize("case", INT8_QK_CASES, ids=lambda c: f"{c.dtype}-g{c.ratio}-d{c.head_dim}")
-def test_triton_int8_value_words_match_float64(case, int8_qk):
-    """The INT8 kernel reading value codes as int32 words of 4 channels (bytes split in
-    registers, 4 value dots, channel order restored outside) against the float64 oracle, and
-    against the byte-wise kernel: the same products, so equal to float32 rounding."""
+def test_triton_int8_code_views_match_float64(case, int8_qk, view):
+    """The INT8 kernel reading its codes through a wider view — value codes as int32 words of 4
+    channels (bytes split in registers, 4 value dots, channel order restored outside), or key
+    codes as int16 pairs of channels (the view a stack of 2^31 code bytes or more needs; 2 key
+    dots over q's even and odd channels) — against the float64 oracle, and against the
+    byte-wise kernel: the same products, so equal logits where the QK dot is unchanged or
+    integer (int8 QK), else equal to float32 rounding."""
     from kvjax.pallas_kernels.decode_attention import decode_attention_triton
 
     interpret = jax.default_backend() != "gpu"
-    q, q_pos, full, int8, _ = make_tiers(case, _seed("v_words", case, int8_qk))
+    q, q_pos, full, int8, _ = make_tiers(case, _seed(view, case, int8_qk))
     scale = q.shape[-1] ** -0.5
-    kw = dict(scale=scale, num_splits=2, block_k=16, int8_qk=int8_qk, interpret=interpret)
+    kw = dict(scale=scale, num_splits=2, block_k=16, int8_qk=int8_qk, return_logits=True)
+    kw |= dict(interpret=interpret)
     full_part = decode_attention_triton(q, full, q_pos, **kw | dict(int8_qk=None))
-    words, plain = (decode_attention_triton(q, int8, q_pos, v_words=f, **kw) for f in (True, False))
-    got_out, got_lse = combine([full_part, words])
-    out, lse, _, _ = oracle(q, q_pos, full, int8, None, None, scale)
+    on, off = (decode_attention_triton(q, int8, q_pos, **kw, **{view: f}) for f in (True, False))
+    got_out, got_lse = combine([full_part, on])
+    out, lse, _, seen = oracle(q, q_pos, full, int8, None, None, scale)
     got = np.asarray(got_out, np.float64)
     assert np.all(np.isfinite(got))
     tol = TOL["bfloat16"] if int8_qk else TOL[case.dtype]
     assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
     np.testing.assert_allclose(np.asarray(got_lse), lse, atol=10 * tol)
-    np.testing.assert_allclose(np.asarray(words.out), np.asarray(plain.out), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(words.lse), np.asarray(plain.lse))
-
-
-@pytest.mark.parametrize("int8_qk", [False, True], ids=["cvt-qk", "int8-qk"])
-@pytest.mark.parametrize("case", INT8_QK_CASES, ids=lambda c: f"{c.dtype}-g{c.ratio}-d{c.head_dim}")
-def test_triton_int8_key_pairs_match_float64(case, int8_qk):
-    """The INT8 kernel reading key codes as int16 pairs of channels (the view a stack of 2^31
-    code bytes or more needs; 2 key dots over q's even and odd channels) against the float64
-    oracle, and against the byte-wise kernel: with int8 QK the same integer sums, so equal
-    logits; with converted codes equal to float32 rounding."""
-    from kvjax.pallas_kernels.decode_attention import decode_attention_triton
-
-    interpret = jax.default_backend() != "gpu"
-    q, q_pos, full, int8, _ = make_tiers(case, _seed("k_pairs", case, int8_qk))
-    scale = q.shape[-1] ** -0.5
-    kw = dict(scale=scale, num_splits=2, block_k=16, int8_qk=int8_qk, return_logits=True)
-    kw |= dict(interpret=interpret)
-    full_part = decode_attention_triton(q, full, q_pos, **kw | dict(int8_qk=None))
-    pairs, plain = (decode_attention_triton(q, int8, q_pos, k_pairs=f, **kw) for f in (True, False))
-    got_out, _ = combine([full_part, pairs])
-    out, _, _, seen = oracle(q, q_pos, full, int8, None, None, scale)
-    got = np.asarray(got_out, np.float64)
-    assert np.all(np.isfinite(got))
-    tol = TOL["bfloat16"] if int8_qk else TOL[case.dtype]
-    assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol
+    np.testing.assert_allclose(np.asarray(on.out), np.asarray(off.out), rtol=1e-5, atol=1e-6)
     # slots past the extent are never written (on a GPU: whatever the buffer held)
-    vis = np.broadcast_to(seen[1][:, :, None], plain.logits.shape)
-    a, b = np.asarray(pairs.logits)[vis], np.asarray(plain.logits)[vis]
-    if int8_qk:
+    vis = np.broadcast_to(seen[1][:, :, None], off.logits.shape)
+    a, b = np.asarray(on.logits)[vis], np.asarray(off.logits)[vis]
+    if view == "v_words" or int8_qk:
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(np.asarray(on.lse), np.asarray(off.lse))
     else:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(pairs.out), np.asarray(plain.out), rtol=1e-5, atol=1e-6)
 
 
 def test_key_pairs_need_an_int8_tier_and_an_even_head_dim():
