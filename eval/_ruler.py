@@ -246,11 +246,14 @@ def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> t
     summary = ruler_summary(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     full = [s["score"] for s in summary if s["policy"] == "full"]
-    for name in dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"):
+    names = list(dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"))
+    markers = "osD^vP*X<>hp"
+    for i, name in enumerate(names):  # 20 colours x 12 markers: no two lines look alike
         pts = sorted((s["ratio"], s["score"]) for s in summary if s["policy"] == name)
         if full and pts[0][0] > 0:  # as kvpress plots: every line starts at the full cache
             pts.insert(0, (0.0, full[0]))
-        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+        style = dict(color=plt.cm.tab20(i % 20), marker=markers[i % len(markers)])
+        ax.plot(*zip(*pts, strict=True), label=name, **style)
     if full:
         ax.axhline(full[0], color="black", ls="--", lw=1, label="full cache")
     ax.set_xlabel("compression ratio")
