@@ -43,7 +43,11 @@ def _assert_same(got, ref):
     np.testing.assert_array_equal(np.asarray(got.num_generated), np.asarray(ref.num_generated))
     tel, rtel = got.telemetry, ref.telemetry
     np.testing.assert_array_equal(np.asarray(tel.live_slots), np.asarray(rtel.live_slots))
-    np.testing.assert_allclose(np.asarray(tel.confidence), np.asarray(rtel.confidence), atol=1e-5)
+    # confidence = max softmax probability (~0.16 here): a sharded matmul sums in another order,
+    # so float32 rounding moves it by ~1e-5 (measured 1.01e-5 once); the tokens above are exact
+    np.testing.assert_allclose(
+        np.asarray(tel.confidence), np.asarray(rtel.confidence), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("case", NAMES)
