@@ -225,8 +225,7 @@ def ruler_summary(rows: Sequence[RulerRow]) -> list[dict]:
 
 
 def write_ruler_json(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> str:
-    """ruler.json: meta + rows (written whole each time, so a reader never sees half a file
-    for long: the text is replaced in one write)."""
+    """ruler.json: meta + rows, the whole file rewritten on every call."""
     d = pathlib.Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     j = d / "ruler.json"

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.pallas_kernels._words import as_words, from_words
+
 Array = jax.Array
 
 
@@ -149,20 +151,16 @@ def write_slots(*writes: SlotWrite, interpret: bool = False) -> tuple[tuple[Arra
 
 def _wide(a: Array) -> tuple[Array, Array]:
     """(a view of `a` the kernel indexes safely, `a`): a 1-byte array [..., D] as D/4 int32
-    words (or D/2 int16), a bitcast. Pallas' Triton lowering indexes an array of at most
-    2^32 bytes with 32-bit signed element offsets, so a 1-byte array of 2-4 GiB (a layer
-    stack of INT8 codes: 32 layers, B = 8, 8 heads, 12.6K slots, D = 128) overflows them and
-    the kernel writes outside the buffer; as words its element offsets stay below 2^30."""
+    words (or D/2 int16), whose element offsets stay below the lowering's 32-bit limit
+    (`kvjax.pallas_kernels._words`); the kernel writes whole rows, so the view is exact."""
     if a.dtype.itemsize != 1 or a.ndim < 4:
         return a, a
-    for n, dt in ((4, jnp.int32), (2, jnp.int16)):
+    for n in (4, 2):
         if a.shape[-1] % n == 0:
-            return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], -1, n), dt), a
+            return as_words(a, n), a
     return a, a
 
 
 def _narrow(x: Array, a: Array) -> Array:
     """`_wide`'s view back to the array's own dtype and shape."""
-    if x.dtype == a.dtype:
-        return x
-    return jax.lax.bitcast_convert_type(x, a.dtype).reshape(a.shape)
+    return x if x.dtype == a.dtype else from_words(x, a)

@@ -19,15 +19,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.pallas_kernels._words import BYTE_OFFSETS, as_words
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
 Array = jax.Array
-# Pallas' Triton lowering indexes an array of at most 2^32 bytes with 32-bit signed element
-# offsets: a 1-byte array of this many elements or more would overflow them.
-_BYTE_OFFSETS = 2**31
 _NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
 
 
@@ -378,17 +376,17 @@ def decode_attention_triton(
     qp = pad_group(q)
     if k_pairs and not quantized:
         raise ValueError("k_pairs applies to an Int8Tier only (a FullTier has no int8 keys)")
-    k_pairs = quantized and (tier.k.size >= _BYTE_OFFSETS if k_pairs is None else bool(k_pairs))
-    v_words = v_words or (quantized and tier.v.size >= _BYTE_OFFSETS)
+    k_pairs = quantized and (tier.k.size >= BYTE_OFFSETS if k_pairs is None else bool(k_pairs))
+    v_words = v_words or (quantized and tier.v.size >= BYTE_OFFSETS)
     k, v = tier.k, tier.v
     for name, on, a, n in (("k_pairs", k_pairs, k, 2), ("v_words", v_words, v, 4)):
         if on and a.shape[-1] % n:
             raise ValueError(f"{name} needs a head dim divisible by {n}, got {a.shape[-1]}")
     if k_pairs:  # [C, D] int8 → [C, D/2] int16 (a bitcast), q's channels reordered to match
-        k = lax.bitcast_convert_type(k.reshape(*k.shape[:-1], k.shape[-1] // 2, 2), jnp.int16)
+        k = as_words(k, 2)
         qp = jnp.concatenate([qp[..., 0::2], qp[..., 1::2]], axis=-1)
     if v_words:  # [C, D] int8 → [C, D/4] int32 (a bitcast, no copy)
-        v = lax.bitcast_convert_type(v.reshape(*v.shape[:-1], v.shape[-1] // 4, 4), jnp.int32)
+        v = as_words(v, 4)
     arrays = [tier.extent, q_pos, qp, k, v, tier.pos]
     specs = [
         head_spec(),

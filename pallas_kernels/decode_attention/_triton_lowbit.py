@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.pallas_kernels._words import BYTE_OFFSETS
 from kvjax.pallas_kernels.decode_attention._tiers import LowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._triton import (
     dot_f32,
@@ -453,9 +454,9 @@ def decode_attention_lowbit_triton(
     pages, tp, dp = tier.k.shape[2:]
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
-    for name in ("k", "v"):  # Pallas' Triton lowering: 32-bit offsets up to 2^32 bytes
+    for name in ("k", "v"):  # `kvjax.pallas_kernels._words`: 32-bit offsets up to 2^32 bytes
         n = getattr(tier, name).size
-        if 2**31 <= n <= 2**32:
+        if BYTE_OFFSETS <= n <= 2 * BYTE_OFFSETS:
             raise ValueError(
                 f"the Triton low-bit kernel cannot index LowBitTier.{name}: {n} bytes of codes "
                 "(2-4 GiB) overflow the 32-bit offsets Pallas' Triton lowering uses for arrays "
@@ -524,7 +525,7 @@ def decode_attention_lowbit_triton(
     return _unstack(res, npg, group, tp) if stack or tm else res
 
 
-def stacked_block_k(page: int, group: int, max_pages: int = 2) -> int:
+def stacked_block_k(page: int, group: int, max_pages: int) -> int:
     """The stacked kernel's default step: the most pages (a power of 2, at most `max_pages`,
     the device's `Tuning.lowbit_stacked_pages`) whose G query rows each fit the 16-row tile."""
     return page * min(max_pages, 1 << (max(1, 16 // group).bit_length() - 1))
