@@ -21,7 +21,7 @@ from kvjax.cache import (
     slots_to_bytes,
 )
 from kvjax.generate import model_step, new_cache
-from kvjax.policies import FullPolicy, Policy
+from kvjax.policies import BUDGETLESS, Policy
 from kvjax.weights import LoadedModel, essay_names, essay_text
 
 
@@ -84,14 +84,15 @@ def run_stream(
 ) -> list[StreamChunk]:
     """Perplexity per `chunk` tokens of `tokens` [N] through `policy`, one token per step.
 
-    `full` stops at `max_full` tokens (its cache grows with the stream; the model's context).
+    The policies that take no budget (`full`, `kivi`: their caches grow with the stream, and past
+    the model's context their positions break it) stop at `max_full` tokens.
     Progress (one line per chunk) goes to stderr; `on_chunk(rows)`, if given, is called with the
     rows so far after each chunk (the CLI saves them, so a run cut short keeps what it measured).
     """
     if chunk < 1 or segment < 1 or chunk % segment:
         raise ValueError(f"chunk ({chunk}) must be a positive multiple of segment ({segment})")
     n = len(tokens) - 1
-    if isinstance(policy, FullPolicy):
+    if policy.name in BUDGETLESS:
         n = min(n, max_full)
     n = n // segment * segment
     if n < segment:

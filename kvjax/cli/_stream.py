@@ -20,7 +20,10 @@ def register(sub) -> None:
     p.add_argument("--chunk", type=int, default=4096, help="tokens per reported chunk")
     p.add_argument("--segment", type=int, default=512, help="tokens per jitted call")
     p.add_argument(
-        "--max-full", type=int, default=8192, help="full stops here (the model's context)"
+        "--max-full",
+        type=int,
+        default=8192,
+        help="full and kivi (caches that grow with the stream) stop here (the model's context)",
     )
     p.add_argument("--cache-dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--json", action="store_true", help="print JSON")

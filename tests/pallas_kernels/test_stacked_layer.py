@@ -47,17 +47,20 @@ def test_stacked_layer_equals_the_sliced_layer_and_float64(tiers, logits):
     want = decode_attention_triton(q, layers[1], q_pos, **kw)
     np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
-    if logits:
-        np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(want.logits))
-    out, lse = combine([got])
     if pick == 2:
         full, int8 = layers[1], None
     else:  # the oracle's full tier left empty: only the INT8 slots are attended
         f = made[1][2]
         full, int8 = f._replace(pos=jnp.full_like(f.pos, -1), extent=0 * f.extent), layers[1]
-    o64, lse64, _, _ = oracle(q, q_pos, full, int8, None, None, 0.3)
-    np.testing.assert_allclose(np.asarray(out), o64, rtol=0, atol=3e-2)
-    np.testing.assert_allclose(np.asarray(lse), lse64, rtol=0, atol=3e-2)
+    o64, lse64, _, seen = oracle(q, q_pos, full, int8, None, None, 0.3)
+    if logits:  # equal where visible (elsewhere the kernel leaves them arbitrary, as documented)
+        vis = np.broadcast_to(seen[-1][:, :, None], got.logits.shape)
+        np.testing.assert_array_equal(np.asarray(got.logits)[vis], np.asarray(want.logits)[vis])
+    out, lse = combine([got])
+    # the bf16 measure of the kernel suite (test_decode_attention's TOL["bfloat16"])
+    err = np.linalg.norm(np.asarray(out, np.float64) - o64) / np.linalg.norm(o64)
+    assert err < 2e-2
+    np.testing.assert_allclose(np.asarray(lse), lse64, rtol=0, atol=0.2)
     other = run(jnp.int32(0))  # another layer really is another answer
     assert not np.allclose(np.asarray(other.out), np.asarray(got.out))
 

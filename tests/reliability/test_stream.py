@@ -1,5 +1,6 @@
 """`kvjax stream` / run_stream at tiny sizes: per-chunk perplexity equals teacher-forced scoring
-through the same policy, memory stays flat for bounded policies, full stops at its limit."""
+through the same policy, memory stays flat for bounded policies, full and kivi stop at their
+limit."""
 
 import dataclasses
 import json
@@ -38,7 +39,9 @@ def test_stream_tokens_concatenates_and_loops(tiny_model):
     np.testing.assert_array_equal(toks[:1000], toks[period : period + 1000])
 
 
-@pytest.mark.parametrize("name,budget", [("streaming", 12), ("window", 12), ("full", None)])
+@pytest.mark.parametrize(
+    "name,budget", [("streaming", 12), ("window", 12), ("full", None), ("kivi", None)]
+)
 def test_chunk_ppl_equals_scoring_and_memory_stays_bounded(tiny_model, tmp_path, name, budget):
     tokens = np.random.default_rng(0).integers(0, 128, 97).astype(np.int32)
     policy = make_policy(name, budget)
@@ -58,7 +61,7 @@ def test_chunk_ppl_equals_scoring_and_memory_stays_bounded(tiny_model, tmp_path,
         0
     ]
     ends = [r.end for r in rows]
-    assert ends == ([32, 64] if name == "full" else [32, 64, 96])
+    assert ends == ([32, 64] if budget is None else [32, 64, 96])  # full, kivi: max_full
     for r in rows:
         assert math.isclose(r.ppl, math.exp(nll[r.start : r.end].mean()), rel_tol=1e-5)
     if budget is not None:  # live bytes: at most the budget's worth (2 layers, 2 KV heads)
