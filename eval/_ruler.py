@@ -117,6 +117,13 @@ def kvzip_ids(model: LoadedModel) -> dict[str, list[int]]:
     )
 
 
+def answer_room(question: int, max_new_tokens: int) -> int:
+    """Free slots after the kept context: the question, the answer and one more, rounded up to
+    a multiple of 16 so that samples whose questions differ by a few tokens share one compiled
+    generate step (empty slots are never attended)."""
+    return -(-(question + max_new_tokens + 1) // 16) * 16
+
+
 def answer(
     model: LoadedModel, policy_name: str, ratio: float, sample: RulerSample, max_new_tokens: int
 ) -> tuple[str, int, float]:
@@ -134,7 +141,7 @@ def answer(
         model.params,
         policy,
         sample.context,
-        room=len(sample.question) + max_new_tokens + 1,
+        room=answer_room(len(sample.question), max_new_tokens),
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
     chunk = -(-len(sample.question) // 16) * 16

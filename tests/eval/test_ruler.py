@@ -2,6 +2,7 @@
 where it should be, string_match_all on hand-made answers, and the run through the tiny model."""
 
 import collections
+import dataclasses
 import json
 import pathlib
 import re
@@ -27,6 +28,25 @@ from kvjax.weights._locate import default_model_path
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama, tok):
+    """The tiny random model behind the real tokenizer's text (ids folded into its vocabulary;
+    its answers are noise)."""
+    config, params = tiny_llama
+
+    class Small:
+        def encode(self, text):
+            return [i % config.vocab_size for i in tok.encode(text)]
+
+        def decode(self, ids, skip_special=False):
+            return tok.decode(ids, skip_special=skip_special)
+
+        def apply_chat_template(self, messages):
+            return tok.apply_chat_template(messages)
+
+    return LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
 
 
 @pytest.mark.parametrize("task", list(RULER_TASKS))
@@ -137,22 +157,10 @@ def test_adakv_presses_are_the_ones_it_wraps():
             ruler_policy(f"adakv-{name}", 4096, 2)
 
 
-def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
+def test_run_ruler_through_the_tiny_model(tiny_model, tmp_path):
     """The pipeline on the tiny random model (its answers are noise): rows per policy × ratio,
     each score = string_match_all of its own answers; JSON and PNG written."""
-    config, params = tiny_llama
-
-    class Small:  # the real tokenizer's text, ids folded into the tiny vocabulary
-        def encode(self, text):
-            return [i % config.vocab_size for i in tok.encode(text)]
-
-        def decode(self, ids, skip_special=False):
-            return tok.decode(ids, skip_special=skip_special)
-
-        def apply_chat_template(self, messages):
-            return tok.apply_chat_template(messages)
-
-    model = LoadedModel(config=config, params=params, tokenizer=Small(), source="tiny")
+    model = tiny_model
     names = ["full", "snapkv", "kvzip", "adakv", "adakv-kvzip"]
     seen = []  # what on_row saw after each cell: the rows so far, one more each time
     rows = run_ruler(model, names, tasks=["niah_single_1"], lengths=[300],
@@ -169,3 +177,22 @@ def test_run_ruler_through_the_tiny_model(tiny_llama, tok, tmp_path):
     assert json.loads(pathlib.Path(j).read_text())["rows"][1]["policy"] == "snapkv"
     assert pathlib.Path(png).read_bytes()[:4] == b"\x89PNG"
     assert [s["policy"] for s in ruler_summary(rows)] == names
+
+
+def test_questions_a_few_tokens_apart_share_one_compiled_generate(tiny_model):
+    from kvjax.eval._ruler import answer, answer_room
+    from kvjax.generate import generate_from_cache
+
+    assert [answer_room(q, 32) for q in (14, 15, 16, 40, 42)] == [48, 48, 64, 80, 80]
+    model = tiny_model
+    built = build_sample(model.tokenizer, "niah_single_1", 300, 0)
+    words = list(built.question) * 2
+    # questions of 20 and 25 tokens: 20 + 4 + 1 and 25 + 4 + 1 both round up to 32 free slots
+    a, b = (dataclasses.replace(built, question=words[:n]) for n in (20, 25))
+    before = generate_from_cache._cache_size()
+    answer(model, "snapkv", 0.5, a, 4)
+    answer(model, "snapkv", 0.5, b, 4)
+    assert generate_from_cache._cache_size() == before + 1
+    c = dataclasses.replace(built, question=words[:28])  # 28 + 5 = 33: the next multiple, 48
+    answer(model, "snapkv", 0.5, c, 4)
+    assert generate_from_cache._cache_size() == before + 2
