@@ -144,7 +144,8 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
       | tee -a "$OUT/trace_kernel.txt"
     rm -rf "$OUT/ktrace" ;;
   trace-decode)  # every kernel's device time per step of the whole decode loop (model, attention,
-    # policy): trace-decode LAYERS POL:BUDGET [BATCH] [TUNING_FIELD=V ...]
+    # policy): trace-decode LAYERS POL:BUDGET [BATCH] [TUNING_FIELD=V ...] (STACKED=1: the
+    # layer-scan step)
     shift
     (cd /tmp && TRACE=/tmp/dtrace python3 "$OLDPWD/scripts/profile_decode.py" "$@") \
       | tee -a "$OUT/trace_decode.txt"

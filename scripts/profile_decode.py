@@ -5,7 +5,8 @@ Usage: TRACE=DIR python scripts/profile_decode.py LAYERS POLICY:BUDGET [BATCH] [
 Random-init Llama-3-8B shapes cut to LAYERS layers (PRESET=NAME: another preset), BF16, 32K
 context (CONTEXT=N) filled with random tokens, Pallas attention. KNOB=V overrides a field of
 this device's decode-kernel `Tuning` (e.g. lowbit_stack_pages=0): an A/B of a default inside the
-whole step.
+whole step. STACKED=1 profiles the layer-scan step (`--scan-layers`: stacked cache and params)
+instead of the unrolled one, e.g. to see where batch 1's scanned step loses its time.
 """
 
 import dataclasses
@@ -15,10 +16,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import stack_cache
 from kvjax.eval._bench import _decode, fill_random, policy_from_spec, second_call_seconds
 from kvjax.eval._profile import device_kernel_times, find_trace, kernel_table
 from kvjax.generate import new_cache
-from kvjax.models import PRESETS, init_params
+from kvjax.models import PRESETS, init_params, stack_params
 from kvjax.pallas_kernels.decode_attention import _tuning
 
 STEPS = 8
@@ -48,13 +50,20 @@ def main() -> None:
     pol = policy_from_spec(name, int(budget), num_layers=layers)
     cache = new_cache(cfg, pol, batch=batch, max_len=ctx + 4 * STEPS + 1, dtype=jnp.bfloat16)
     cache, _ = fill_random(pol, cache, ctx, min(ctx, 2048), jax.random.key(0))
+    stacked = os.environ.get("STACKED") == "1"
+    if stacked:
+        cache, params = stack_cache(cache), stack_params(params)
     tok = jnp.zeros((batch,), jnp.int32)
     step = lambda s: _decode(cfg, pol, STEPS, "pallas", params, *s)
     state, sec = second_call_seconds(step, (cache, tok))
     print(
-        f"{pos[1]} {layers} layers B={batch} {knobs}: {sec / STEPS * 1e3:.3f} ms/step", flush=True
+        f"{pos[1]} {layers} layers B={batch} {'scan ' if stacked else ''}{knobs}: "
+        f"{sec / STEPS * 1e3:.3f} ms/step",
+        flush=True,
     )
-    log_dir = os.path.join(os.environ.get("TRACE", "/tmp/decode_trace"), f"{name}_{len(knobs)}")
+    log_dir = os.path.join(
+        os.environ.get("TRACE", "/tmp/decode_trace"), f"{name}_{len(knobs)}_{int(stacked)}"
+    )
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         second_call_seconds(step, state)  # (runs the loop twice: warm-up and timing)
     print(kernel_table(device_kernel_times(find_trace(log_dir)), steps=2 * STEPS), flush=True)
