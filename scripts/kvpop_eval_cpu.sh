@@ -18,9 +18,10 @@ for b in 256 512; do  # the ablation: the mLSTM scorer trained with the immediat
     --json --out "$OUT/ppl_kvpop-immediate_b$b.json" > /dev/null
 done
 # NIAH, query-aware protocol, 2048 tokens, needle at depths 0/50/100. confkv gets the budget
-# whose peak live bytes match (425 / 907: `kvjax compare`'s matching, see compare_avg).
+# whose peak live bytes match (424 / 906: `kvjax compare`'s matching, see compare_avg; 425 / 907
+# before exact budgets, 2026-12-01).
 niah() { kv niah --lengths 2048 --depths 0 50 100 --protocol query-aware --json "$@"; }
-for pb in "256 425" "512 907"; do
+for pb in "256 424" "512 906"; do
   set -- $pb
   niah --policy kvpop kvpop-mlp streaming tova h2o qevict --budget "$1" --out-dir "$OUT/niah" \
     > "$OUT/niah_b$1.json"
