@@ -1,6 +1,6 @@
 """One Pareto plot and one Markdown table from several `kvjax compare --json` outputs (rows run
 as separate processes): `python scripts/plot_compare_json.py OUT.png COMPARE.json [...]`.
-Rows without a budget (`full`, `kivi`) do not depend on the window and are drawn once."""
+Rows without a budget (`full`, `kivi`) do not depend on the window: their window shows as —."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def read(paths: list[str]) -> list[CompareRow]:
             raise SystemExit(
                 f"error: {path}: expected a list of compare rows with {sorted(fields)}"
             )
+        unknown = sorted({d["label"] for d in data} - ROWS.keys())
+        if unknown:
+            raise SystemExit(f"error: {path}: rows {unknown} are not compare rows ({list(ROWS)})")
         rows += [CompareRow(**{k: d[k] for k in fields}) for d in data]
     if not rows:
         raise SystemExit(f"error: no rows in {', '.join(paths)}")
@@ -36,7 +39,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or not argv[0].endswith(".png"):
         raise SystemExit("usage: plot_compare_json.py OUT.png COMPARE.json [COMPARE.json ...]")
     rows = read(argv[1:])
-    rows.sort(key=lambda r: (list(ROWS).index(r.label) if r.label in ROWS else len(ROWS), r.window))
+    rows.sort(key=lambda r: (list(ROWS).index(r.label), r.window))
     print("| policy | window matched | budget | ppl | mean live MiB | peak live MiB | s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -54,7 +54,12 @@ def test_rows_of_several_files_in_one_table_and_plot(tmp_path, monkeypatch, caps
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"ppl": 1.0}), json.dumps([{"x": 1}])])
+UNKNOWN_ROW = json.dumps([dataclasses.asdict(_row("no-such-policy", 512, 512, 1.0))])
+
+
+@pytest.mark.parametrize(
+    "content", ["not json", json.dumps({"ppl": 1.0}), json.dumps([{"x": 1}]), UNKNOWN_ROW]
+)
 def test_a_file_that_is_not_compare_output_is_a_clear_error(tmp_path, monkeypatch, content):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
