@@ -14,6 +14,7 @@ they read its K/V once plus a position and an owner id per slot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -50,6 +51,8 @@ class KernelBench:
     us: float | None = None
     bytes_read: int = 0
     tbps: float | None = None
+    build_s: float | None = None  # building the row's arrays (random K/V, quantizing) this time
+    first_s: float | None = None  # the first timed loop: tracing, compiling, `iters` calls
     error: str | None = None
 
 
@@ -82,8 +85,9 @@ def _nbytes(*xs) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in xs))
 
 
-def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> float:
-    """Median seconds per call of fn(q) -> out [B, Hq, D]."""
+def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> tuple[float, float]:
+    """(median seconds per call of fn(q) -> out [B, Hq, D], seconds of the first run of the
+    loop: tracing, compiling and `iters` calls)."""
 
     @jax.jit
     def loop(q):
@@ -93,40 +97,69 @@ def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> float:
 
         return jax.lax.fori_loop(0, iters, body, q)
 
+    t = time.perf_counter()
     jax.block_until_ready(loop(q))
+    first = time.perf_counter() - t
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         jax.block_until_ready(loop(q))
         times.append((time.perf_counter() - t) / iters)
-    return float(np.median(times))
+    return float(np.median(times)), first
 
 
 def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: int, key):
-    """name -> (fn(q [B, Hq, D], knobs) -> [B, Hq, D], bytes read) for every row."""
+    """name -> thunk() -> (fn(q [B, Hq, D], knobs) -> [B, Hq, D], bytes read) for every row.
+
+    Lazy: a row's arrays (quantized codes, the shuffled pool, ...) are built the first time a
+    row needs them and shared with the rows after it, so a run of a few rows builds only theirs.
+    """
     g = hq // hkv
     scale = d**-0.5
     ks = jax.random.split(key, 3)
-    k = jax.random.normal(ks[0], (b, hkv, s, d), jnp.bfloat16)
-    v = jax.random.normal(ks[1], (b, hkv, s, d), jnp.bfloat16)
+    memo: dict[str, object] = {}
+
+    def once(name: str, build: Callable):
+        if name not in memo:
+            memo[name] = build()
+        return memo[name]
+
+    def kv():
+        return once("kv", lambda: (
+            jax.random.normal(ks[0], (b, hkv, s, d), jnp.bfloat16),
+            jax.random.normal(ks[1], (b, hkv, s, d), jnp.bfloat16),
+        ))  # fmt: skip
+
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, hkv, s))
     extent = jnp.full((b, hkv), s, jnp.int32)
     q_pos = jnp.full((b,), s, jnp.int32)
-    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, S, Hkv, D] for jax.nn
-    k8, k8s = quantize_int8(k)
-    v8, v8s = quantize_int8(v)
     grouped = lambda q: q.reshape(b, hkv, g, d)
     out = lambda o: o.reshape(b, hq, d)
+
+    def kvt():  # [B, S, Hkv, D] for jax.nn
+        return once("kvt", lambda: tuple(jnp.swapaxes(x, 1, 2) for x in kv()))
+
+    def int8():
+        def build():
+            k, v = kv()
+            return (*quantize_int8(k), *quantize_int8(v))  # k8, k8s, v8, v8s
+
+        return once("int8", build)
 
     def nn_attn(impl, kk, vv):
         return lambda q, knobs=None: jax.nn.dot_product_attention(
             q[:, None], kk, vv, scale=scale, implementation=impl
         )[:, 0]
 
-    def dequant_then_attend(q, knobs=None):
-        kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
-        vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
-        return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
+    def dequant_then_attend():
+        k8, k8s, v8, v8s = int8()
+
+        def fn(q, knobs=None):
+            kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
+            vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
+            return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
+
+        return fn
 
     def ours(tier, logits=False, bits=None, mgpu=False):
         def fn(q, knobs):
@@ -151,42 +184,65 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
         return fn
 
-    full = da.FullTier(k, v, pos, extent)
-    int8 = da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
-    # The same tokens in one pool a sequence: slot order shuffled, so heads interleave.
-    perm = jax.random.permutation(ks[2], hkv * s)
-    pooled = lambda x: x.reshape(b, 1, hkv * s, *x.shape[3:])[:, :, perm]
-    heads = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[:, None], (b, hkv, s))
-    pool = da.PooledTier(
-        pooled(k), pooled(v), pooled(pos), pooled(heads), jnp.full((b, 1), hkv * s, jnp.int32)
-    )
-    cases = {
-        "copy": (None, _nbytes(k, v)),  # timed by copy_bandwidth (bytes read + written)
-        "cudnn-bf16": (nn_attn("cudnn", kt, vt), _nbytes(k, v)),
-        "xla-bf16": (nn_attn("xla", kt, vt), _nbytes(k, v)),
-        "xla-dequant-int8": (dequant_then_attend, _nbytes(k8, v8, k8s, v8s)),
-        "pallas-bf16": (ours(full), _nbytes(k, v, pos)),
-        "pallas-bf16+logits": (ours(full, logits=True), _nbytes(k, v, pos)),
-        "pallas-bf16-pooled": (ours(pool), _nbytes(k, v, pos, heads)),
-        "pallas-bf16-pooled+logits": (ours(pool, logits=True), _nbytes(k, v, pos, heads)),
-        "pallas-int8": (ours(int8), _nbytes(k8, v8, k8s, v8s, pos)),
-        "mgpu-bf16": (ours(full, mgpu=True), _nbytes(k, v, pos)),
-        "mgpu-bf16+logits": (ours(full, logits=True, mgpu=True), _nbytes(k, v, pos)),
-        "mgpu-int8": (ours(int8, mgpu=True), _nbytes(k8, v8, k8s, v8s, pos)),
-    }
-    pages = s // page
-    paged = lambda x: x.reshape(b, hkv, pages, page, d).astype(jnp.float32)
-    for bits in (4, 2):
-        kc, kscale, kzero = quantize_per_channel(paged(k), bits)
-        vc, vscale, vzero = quantize_per_token(paged(v), bits, value_group)
-        lpos = pos.reshape(b, hkv, pages, page)
-        arrays = (pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero, lpos)
+    def full():
+        return da.FullTier(*kv(), pos, extent)
+
+    def int8_tier():
+        k8, k8s, v8, v8s = int8()
+        return da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
+
+    def pooled_tier():
+        # The same tokens in one pool a sequence: slot order shuffled, so heads interleave.
+        def build():
+            k, v = kv()
+            perm = jax.random.permutation(ks[2], hkv * s)
+            pooled = lambda x: x.reshape(b, 1, hkv * s, *x.shape[3:])[:, :, perm]
+            heads = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[:, None], (b, hkv, s))
+            n = jnp.full((b, 1), hkv * s, jnp.int32)
+            return da.PooledTier(pooled(k), pooled(v), pooled(pos), pooled(heads), n), heads
+
+        return once("pool", build)
+
+    def lowbit(bits: int, f32stats: bool):
+        def build():
+            k, v = kv()
+            pages = s // page
+            paged = lambda x: x.reshape(b, hkv, pages, page, d).astype(jnp.float32)
+            kc, kscale, kzero = quantize_per_channel(paged(k), bits)
+            vc, vscale, vzero = quantize_per_token(paged(v), bits, value_group)
+            lpos = pos.reshape(b, hkv, pages, page)
+            return (pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero, lpos), pages
+
+        arrays, pages = once(f"int{bits}", build)
+        if f32stats:  # the same codes and statistics held as float32: the layout before 2026-12-01
+            arrays = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
-        cases[f"pallas-int{bits}"] = (ours(tier, bits=bits), _nbytes(*arrays))
-        # The same codes and statistics held as float32: the layout before 2026-12-01.
-        wide = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
-        tier = da.LowBitTier(*wide, jnp.full((b, hkv), pages, jnp.int32))
-        cases[f"pallas-int{bits}-f32stats"] = (ours(tier, bits=bits), _nbytes(*wide))
+        return ours(tier, bits=bits), _nbytes(*arrays)
+
+    bf16 = lambda: _nbytes(*kv())
+    cases = {
+        "copy": lambda: (None, bf16()),  # timed by copy_bandwidth (bytes read + written)
+        "cudnn-bf16": lambda: (nn_attn("cudnn", *kvt()), bf16()),
+        "xla-bf16": lambda: (nn_attn("xla", *kvt()), bf16()),
+        "xla-dequant-int8": lambda: (dequant_then_attend(), _nbytes(*int8())),
+        "pallas-bf16": lambda: (ours(full()), bf16() + _nbytes(pos)),
+        "pallas-bf16+logits": lambda: (ours(full(), logits=True), bf16() + _nbytes(pos)),
+        "pallas-bf16-pooled": lambda: (
+            ours(pooled_tier()[0]),
+            bf16() + _nbytes(pos, pooled_tier()[1]),
+        ),
+        "pallas-bf16-pooled+logits": lambda: (
+            ours(pooled_tier()[0], logits=True),
+            bf16() + _nbytes(pos, pooled_tier()[1]),
+        ),
+        "pallas-int8": lambda: (ours(int8_tier()), _nbytes(*int8(), pos)),
+        "mgpu-bf16": lambda: (ours(full(), mgpu=True), bf16() + _nbytes(pos)),
+        "mgpu-bf16+logits": lambda: (ours(full(), logits=True, mgpu=True), bf16() + _nbytes(pos)),
+        "mgpu-int8": lambda: (ours(int8_tier(), mgpu=True), _nbytes(*int8(), pos)),
+    }
+    for bits in (4, 2):
+        cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
+        cases[f"pallas-int{bits}-f32stats"] = functools.partial(lowbit, bits, True)
     return cases
 
 
@@ -228,16 +284,20 @@ def bench_kernel(
     runs += [(name, k) for k in sweep for name in sweep_rows]
     results = []
     for name, knobs in runs:
-        fn, nbytes = cases[name]
-        row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True), bytes_read=nbytes)
+        row = dict(row=name, knobs=json.dumps(knobs or {}, sort_keys=True))
+        first = None
+        t = time.perf_counter()
         try:
+            fn, nbytes = cases[name]()
+            jnp.zeros(()).block_until_ready()  # (one stream: after the arrays' ops)
+            row.update(bytes_read=nbytes, build_s=time.perf_counter() - t)
             if name == "copy":  # the bandwidth ceiling: read + write the BF16 K/V bytes once
                 moved = 2 * nbytes
                 sec = moved / (copy_bandwidth(nbytes) * 1e9)
             else:
                 moved = nbytes
-                sec = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
-            res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, **row, **shape)
+                sec, first = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
+            res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, first_s=first, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
             res = KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape)
         results.append(res)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import sys
 
 import jax
 
@@ -92,9 +94,13 @@ def _grid(specs: list[str]) -> list[dict[str, int]]:
     return grid
 
 
-def _print_row(r) -> None:
+def _print_row(r, file=None) -> None:
     t = f"{r.us:9.1f} us {r.tbps:6.2f} TB/s" if r.error is None else r.error
-    print(f"B={r.batch} S={r.context:>6} {r.row:>20} {r.knobs}: {t}", flush=True)
+    if r.error is None and r.build_s is not None:
+        t += f"  (arrays {r.build_s:.1f} s" + (
+            f", first loop {r.first_s:.1f} s)" if r.first_s is not None else ")"
+        )
+    print(f"B={r.batch} S={r.context:>6} {r.row:>20} {r.knobs}: {t}", file=file, flush=True)
 
 
 def run_kernel(args: argparse.Namespace) -> int:
@@ -117,7 +123,7 @@ def run_kernel(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 sweep=sweep,
                 sweep_rows=tuple(args.sweep_rows),
-                on_row=None if args.json else _print_row,
+                on_row=functools.partial(_print_row, file=sys.stderr if args.json else None),
             )
             rows += [dataclasses.asdict(r) for r in res]
     emit(rows, as_json=args.json, title="decode-attention kernel benchmark", out=args.out)
