@@ -85,31 +85,36 @@ def _nbytes(*xs) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in xs))
 
 
-def _timed(fn: Callable, q: jax.Array, iters: int, repeats: int) -> tuple[float, float]:
-    """(median seconds per call of fn(q) -> out [B, Hq, D], seconds of the first run of the
-    loop: tracing, compiling and `iters` calls)."""
+def _timed(fn: Callable, q: jax.Array, data, iters: int, repeats: int) -> tuple[float, float]:
+    """(median seconds per call of fn(q, data) -> out [B, Hq, D], seconds of the first run of
+    the loop: tracing, compiling and `iters` calls).
+
+    The cache arrays `data` are arguments of the jitted loop: closed over, they would be
+    embedded in the program as constants (minutes of compiling at S = 32K)."""
 
     @jax.jit
-    def loop(q):
+    def loop(q, data):
         def body(_, q):
-            out = fn(q).astype(q.dtype)
+            out = fn(q, data).astype(q.dtype)
             return q + out * jnp.asarray(1e-3, q.dtype)
 
         return jax.lax.fori_loop(0, iters, body, q)
 
     t = time.perf_counter()
-    jax.block_until_ready(loop(q))
+    jax.block_until_ready(loop(q, data))
     first = time.perf_counter() - t
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(loop(q))
+        jax.block_until_ready(loop(q, data))
         times.append((time.perf_counter() - t) / iters)
     return float(np.median(times)), first
 
 
 def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: int, key):
-    """name -> thunk() -> (fn(q [B, Hq, D], knobs) -> [B, Hq, D], bytes read) for every row.
+    """name -> thunk() -> (fn(q [B, Hq, D], knobs, data) -> [B, Hq, D], data, bytes read) for
+    every row; data is the pytree of cache arrays the row reads (passed to the timed loop as an
+    argument).
 
     Lazy: a row's arrays (quantized codes, the shuffled pool, ...) are built the first time a
     row needs them and shared with the rows after it, so a run of a few rows builds only theirs.
@@ -146,23 +151,24 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
         return once("int8", build)
 
-    def nn_attn(impl, kk, vv):
-        return lambda q, knobs=None: jax.nn.dot_product_attention(
-            q[:, None], kk, vv, scale=scale, implementation=impl
-        )[:, 0]
+    def nn_attn(impl):
+        def fn(q, knobs, data):
+            kk, vv = data
+            return jax.nn.dot_product_attention(
+                q[:, None], kk, vv, scale=scale, implementation=impl
+            )[:, 0]
 
-    def dequant_then_attend():
-        k8, k8s, v8, v8s = int8()
+        return lambda: (fn, kvt(), _nbytes(*kv()))
 
-        def fn(q, knobs=None):
-            kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
-            vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
-            return nn_attn("xla", jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2))(q)
+    def dequant_then_attend(q, knobs, data):
+        k8, k8s, v8, v8s = data
+        kd = (k8.astype(jnp.float32) * k8s[..., None]).astype(jnp.bfloat16)
+        vd = (v8.astype(jnp.float32) * v8s[..., None]).astype(jnp.bfloat16)
+        kk, vv = jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2)
+        return jax.nn.dot_product_attention(q[:, None], kk, vv, scale=scale)[:, 0]
 
-        return fn
-
-    def ours(tier, logits=False, bits=None, mgpu=False):
-        def fn(q, knobs):
+    def ours(logits=False, bits=None, mgpu=False):
+        def fn(q, knobs, tier):
             knobs = knobs or {}
             if isinstance(tier, da.PooledTier):
                 p = da.decode_attention_pooled_triton(
@@ -184,24 +190,29 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
         return fn
 
-    def full():
-        return da.FullTier(*kv(), pos, extent)
+    def full(**kw):
+        return lambda: (ours(**kw), da.FullTier(*kv(), pos, extent), _nbytes(*kv(), pos))
 
-    def int8_tier():
-        k8, k8s, v8, v8s = int8()
-        return da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
+    def int8_tier(**kw):
+        def case():
+            k8, k8s, v8, v8s = int8()
+            tier = da.Int8Tier(k8, v8, k8s, v8s, pos, extent)
+            return ours(**kw), tier, _nbytes(*int8(), pos)
 
-    def pooled_tier():
+        return case
+
+    def pooled(**kw):
         # The same tokens in one pool a sequence: slot order shuffled, so heads interleave.
         def build():
             k, v = kv()
             perm = jax.random.permutation(ks[2], hkv * s)
-            pooled = lambda x: x.reshape(b, 1, hkv * s, *x.shape[3:])[:, :, perm]
+            pool = lambda x: x.reshape(b, 1, hkv * s, *x.shape[3:])[:, :, perm]
             heads = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[:, None], (b, hkv, s))
             n = jnp.full((b, 1), hkv * s, jnp.int32)
-            return da.PooledTier(pooled(k), pooled(v), pooled(pos), pooled(heads), n), heads
+            tier = da.PooledTier(pool(k), pool(v), pool(pos), pool(heads), n)
+            return tier, _nbytes(k, v, pos, heads)
 
-        return once("pool", build)
+        return lambda: (ours(**kw), *once("pool", build))
 
     def lowbit(bits: int, f32stats: bool):
         def build():
@@ -217,28 +228,21 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         if f32stats:  # the same codes and statistics held as float32: the layout before 2026-12-01
             arrays = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
-        return ours(tier, bits=bits), _nbytes(*arrays)
+        return ours(bits=bits), tier, _nbytes(*arrays)
 
-    bf16 = lambda: _nbytes(*kv())
     cases = {
-        "copy": lambda: (None, bf16()),  # timed by copy_bandwidth (bytes read + written)
-        "cudnn-bf16": lambda: (nn_attn("cudnn", *kvt()), bf16()),
-        "xla-bf16": lambda: (nn_attn("xla", *kvt()), bf16()),
-        "xla-dequant-int8": lambda: (dequant_then_attend(), _nbytes(*int8())),
-        "pallas-bf16": lambda: (ours(full()), bf16() + _nbytes(pos)),
-        "pallas-bf16+logits": lambda: (ours(full(), logits=True), bf16() + _nbytes(pos)),
-        "pallas-bf16-pooled": lambda: (
-            ours(pooled_tier()[0]),
-            bf16() + _nbytes(pos, pooled_tier()[1]),
-        ),
-        "pallas-bf16-pooled+logits": lambda: (
-            ours(pooled_tier()[0], logits=True),
-            bf16() + _nbytes(pos, pooled_tier()[1]),
-        ),
-        "pallas-int8": lambda: (ours(int8_tier()), _nbytes(*int8(), pos)),
-        "mgpu-bf16": lambda: (ours(full(), mgpu=True), bf16() + _nbytes(pos)),
-        "mgpu-bf16+logits": lambda: (ours(full(), logits=True, mgpu=True), bf16() + _nbytes(pos)),
-        "mgpu-int8": lambda: (ours(int8_tier(), mgpu=True), _nbytes(*int8(), pos)),
+        "copy": lambda: (None, kv(), _nbytes(*kv())),  # copy_bandwidth: bytes read + written
+        "cudnn-bf16": nn_attn("cudnn"),
+        "xla-bf16": nn_attn("xla"),
+        "xla-dequant-int8": lambda: (dequant_then_attend, int8(), _nbytes(*int8())),
+        "pallas-bf16": full(),
+        "pallas-bf16+logits": full(logits=True),
+        "pallas-bf16-pooled": pooled(),
+        "pallas-bf16-pooled+logits": pooled(logits=True),
+        "pallas-int8": int8_tier(),
+        "mgpu-bf16": full(mgpu=True),
+        "mgpu-bf16+logits": full(logits=True, mgpu=True),
+        "mgpu-int8": int8_tier(mgpu=True),
     }
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
@@ -288,7 +292,7 @@ def bench_kernel(
         first = None
         t = time.perf_counter()
         try:
-            fn, nbytes = cases[name]()
+            fn, data, nbytes = cases[name]()
             jnp.zeros(()).block_until_ready()  # (one stream: after the arrays' ops)
             row.update(bytes_read=nbytes, build_s=time.perf_counter() - t)
             if name == "copy":  # the bandwidth ceiling: read + write the BF16 K/V bytes once
@@ -296,7 +300,9 @@ def bench_kernel(
                 sec = moved / (copy_bandwidth(nbytes) * 1e9)
             else:
                 moved = nbytes
-                sec, first = _timed(lambda q, fn=fn, knobs=knobs: fn(q, knobs), q, iters, repeats)
+                sec, first = _timed(
+                    lambda q, data, fn=fn, knobs=knobs: fn(q, knobs, data), q, data, iters, repeats
+                )
             res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, first_s=first, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going
             res = KernelBench(error=f"{type(e).__name__}: {str(e)[:300]}", **row, **shape)
