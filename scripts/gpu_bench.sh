@@ -242,6 +242,28 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     done
     wait
     grep -h "stream \[" "$OUT"/stream_*.log | tail -40 || true ;;
+  ruler-par)  # the RULER-style grid with policy RGROUPS (";"-separated) run at once, one process
+    # each sharing the GPU (no preallocation); each group's ruler.json is rewritten after every
+    # cell, so a run cut by its time limit keeps every finished cell. TASKS, LENGTHS, RATIOS,
+    # SAMPLES as `kvjax ruler` takes them.
+    # A call returns only a few files: everything goes into one archive (also when cut).
+    reassemble_gguf
+    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    FINAL=$OUT
+    OUT=/tmp/ruler && rm -rf "$OUT" && mkdir -p "$OUT"
+    trap 'tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT
+    i=0
+    IFS=';' read -ra groups <<< "${RGROUPS:-full streaming;h2o tova;snapkv adakv-snapkv;pyramidkv chunkkv;knorm keydiff;kvzip;expected random;kvpop adakv-keydiff}"
+    for grp in "${groups[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      run ruler --model /tmp/smollm2.gguf --policy $grp --ratios ${RATIOS:-0.5 0.75} \
+        --tasks ${TASKS:-niah_single_1 niah_multikey_1 niah_multivalue vt} \
+        --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 \
+        --out-dir "$OUT/ruler_g$i" --json > /dev/null 2> "$OUT/ruler_g$i.log" &
+    done
+    trap 'kill $(jobs -p) 2>/dev/null; wait; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
+    wait ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
     # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's
     # command buffers — CUDA graphs, also of while loops — may cut it): variants "base"
