@@ -77,6 +77,8 @@ def press_context(
     reconstruct_next: Sequence[int] = (),
     suffix: Sequence[int] = (),
     dtype=jnp.float32,
+    min_slots: int = 0,
+    chunk_multiple: int = 16,
 ) -> Pressed:
     """Prefill `context` and compress it once with `policy`: it keeps `cached_tokens(budget)`
     = budget - 1 tokens per KV head, as in the generate loop (a budget counts the attended
@@ -91,6 +93,12 @@ def press_context(
         reconstruct: KVzip's first-chunk prompt ids (RECONSTRUCT_PROMPT tokenized);
         reconstruct_next: its later-chunk prompt ids (RECONSTRUCT_CONTINUE tokenized);
         suffix: ids between that prompt and the repeated text (the chat's assistant head).
+        min_slots: slots per KV head of every layer of the append-only cache at least (kept
+            context + room, or more): an evaluation grid that passes the same value for all its
+            compression ratios and tasks decodes them with one compiled generate step (the extra
+            slots stay empty and are never attended; the kept tokens are unchanged).
+        chunk_multiple: the policy's prefill pads the context to a multiple of this (padding
+            is not attended), so contexts of nearby lengths share one compiled prefill.
 
     Raises:
         ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
@@ -99,6 +107,11 @@ def press_context(
     s = len(context)
     if s < 1 or room < 1:
         raise ValueError(f"press_context needs a context (got {s} tokens) and room >= 1")
+    if min_slots < 0 or chunk_multiple < 1:
+        raise ValueError(
+            f"press_context needs min_slots >= 0 and chunk_multiple >= 1, got {min_slots} and "
+            f"{chunk_multiple}"
+        )
     t0 = time.perf_counter()
     ids = jnp.asarray([list(context)], jnp.int32)
     press = policy.press if isinstance(policy, AdaKVPolicy) else policy
@@ -116,7 +129,7 @@ def press_context(
         spec = cache_spec_for(config, policy, batch=1, max_len=s, dtype=dtype)
         if spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None:
             raise ValueError(f"press mode keeps full-precision tokens; {policy.name!r} is tiered")
-        chunk = -(-s // 16) * 16
+        chunk = -(-s // chunk_multiple) * chunk_multiple
         gen = GenerateConfig(chunk_size=chunk, max_new_tokens=1)
         padded = jnp.zeros((1, chunk), jnp.int32).at[:, :s].set(ids)
         cache, _ = prefill_cache(
@@ -134,11 +147,11 @@ def press_context(
             for ly in layers
         ]
     if isinstance(policy, AdaKVPolicy):
-        cache, slots, kept = pool_append_cache(config, layers, keep, room, s, dtype)
+        cache, slots, kept = pool_append_cache(config, layers, keep, room, s, dtype, min_slots)
         append = AppendPolicy(slots=slots, pooled=True)
     else:
-        cache, width, kept = _append_cache(config, layers, keep, room, s, dtype)
-        append = AppendPolicy(slots=tuple(n + room for n in width))
+        cache, slots, kept = _append_cache(config, layers, keep, room, s, dtype, min_slots)
+        append = AppendPolicy(slots=slots)
     jax.block_until_ready(cache)
     return Pressed(
         cache=cache,
@@ -163,16 +176,17 @@ def live_slots(pos: Array) -> Array:
     return jnp.argsort(key, axis=-1, stable=True)[..., :n]
 
 
-def _append_cache(config, layers, keep, room, length, dtype):
+def _append_cache(config, layers, keep, room, length, dtype, min_slots=0):
     """The append-only cache: per layer, each head's kept slots `keep` [B, H, n] (-1 = none,
-    after the kept ones) as a dense prefix, then `room` free slots. Returns (cache, n per
-    layer, kept per KV head of each layer)."""
-    width = tuple(int(k.shape[-1]) for k in keep)
+    after the kept ones) as a dense prefix, then free slots: `room` of them, or up to
+    `min_slots` in all. Returns (cache, slots per KV head of each layer, kept per KV head of
+    each layer)."""
+    slots = tuple(max(int(k.shape[-1]) + room, min_slots) for k in keep)
     spec = CacheSpec(
         batch=1,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        capacities=tuple(n + room for n in width),
+        capacities=slots,
         dtype=dtype,
     )
     out, kept = [], []
@@ -194,7 +208,7 @@ def _append_cache(config, layers, keep, room, length, dtype):
             )
         )
     cache = Cache(layers=tuple(out), length=jnp.asarray([length], jnp.int32))
-    return cache, width, tuple(kept)
+    return cache, slots, tuple(kept)
 
 
 def press_scores(config, params, press, context, ids, reconstruct, later, suffix, dtype):

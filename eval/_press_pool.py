@@ -45,11 +45,12 @@ def pool_slots(pos: Array, head: Array, heads: int) -> Array:
     return jnp.where(jnp.take_along_axis(mine, order, -1), order, -1)
 
 
-def pool_append_cache(config, layers, keep, room: int, length: int, dtype):
+def pool_append_cache(config, layers, keep, room: int, length: int, dtype, min_slots: int = 0):
     """The pooled append-only cache: per layer the slots `keep` [1, H, m] (-1 = none) of its
     per-head or pooled `layers` as a dense prefix of one pool, then H·room free slots (the pool
-    rounded up to a multiple of H). Returns (cache, mean slots per KV head of each layer, kept
-    tokens per KV head of each layer (the layer's total over H, floored))."""
+    rounded up to a multiple of H), or up to H·min_slots in all. Returns (cache, mean slots
+    per KV head of each layer, kept tokens per KV head of each layer (the layer's total over H,
+    floored))."""
     h = config.num_kv_heads
     parts, slots, kept = [], [], []
     for ly, idx in zip(layers, keep, strict=True):
@@ -62,7 +63,7 @@ def pool_append_cache(config, layers, keep, room: int, length: int, dtype):
         pos = np.asarray(jnp.where(idx >= 0, take(ly.pos), -1))[0]  # [H, m]
         hh, jj = np.nonzero(pos >= 0)  # head-major, each head in position order
         parts.append((take(ly.k)[0, hh, jj], take(ly.v)[0, hh, jj], pos[hh, jj], hh))
-        slots.append(-(-(hh.size + h * room) // h))
+        slots.append(max(-(-(hh.size + h * room) // h), min_slots))
         kept.append(hh.size // h)
     spec = CacheSpec(
         batch=1, num_kv_heads=h, head_dim=config.head_dim, capacities=tuple(slots), dtype=dtype,

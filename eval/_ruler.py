@@ -124,6 +124,16 @@ def answer_room(question: int, max_new_tokens: int) -> int:
     return -(-(question + max_new_tokens + 1) // 16) * 16
 
 
+# Shapes of a grid's cells rounded up to multiples of this: the append-only cache holds
+# _bucket(context + room) slots at every ratio (its free slots are never attended), the prefill
+# pads the context to a multiple of it, so the cells of one length share their compiled steps.
+_BUCKET = 256
+
+
+def _bucket(n: int) -> int:
+    return -(-n // _BUCKET) * _BUCKET
+
+
 def answer(
     model: LoadedModel, policy_name: str, ratio: float, sample: RulerSample, max_new_tokens: int
 ) -> tuple[str, int, float]:
@@ -136,15 +146,18 @@ def answer(
         # A budget N caches N - 1 tokens (it counts the attended current token): N - 1 =
         # int((1 - ratio) * s), the tokens kvpress keeps.
         policy = ruler_policy(policy_name, max(2, int(s * (1 - ratio)) + 1), cfg.num_layers)
+    room = answer_room(len(sample.question), max_new_tokens)
     pressed = press_context(
         cfg,
         model.params,
         policy,
         sample.context,
-        room=answer_room(len(sample.question), max_new_tokens),
+        room=room,
+        min_slots=_bucket(s + room),
+        chunk_multiple=_BUCKET,
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
-    chunk = -(-len(sample.question) // 16) * 16
+    chunk = -(-len(sample.question) // 64) * 64
     gen = GenerateConfig(max_new_tokens=max_new_tokens, chunk_size=chunk)
     q = (
         jnp.zeros((1, chunk), jnp.int32)

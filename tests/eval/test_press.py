@@ -159,6 +159,26 @@ def test_compressed_once_then_question_and_answer_never_evict_context(tiny_llama
             assert held == ctx | set(range(s, s + len(QUESTION) + len(answer)))
 
 
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "knorm", "adakv"])
+def test_padded_shapes_keep_the_same_tokens_and_answer(tiny_llama, name):
+    """min_slots (free slots up to a shared size) and chunk_multiple (a padded prefill) change
+    the shapes only: the same kept tokens, the same answer, the cache min_slots wide."""
+    config, params = tiny_llama
+    kw = {"snapkv": {"window": 3, "observation": 4, "pool": 3}, "adakv": {"press": "h2o"}}
+    policy = make_policy(name, 16, **kw.get(name, {}))
+    plain = press_context(config, params, policy, CONTEXT, room=12)
+    padded = press_context(config, params, policy, CONTEXT, room=12, min_slots=64,
+                           chunk_multiple=32)  # fmt: skip
+    assert padded.kept == plain.kept
+    assert _held(padded.cache) == _held(plain.cache)
+    assert padded.policy.slots == (64,) * config.num_layers
+    assert max(plain.policy.slots) < 64
+    assert (
+        _answer_after(tiny_llama, padded, QUESTION, 6)[0]
+        == _answer_after(tiny_llama, plain, QUESTION, 6)[0]
+    )
+
+
 def test_press_rejects_bad_input(tiny_llama):
     config, params = tiny_llama
     with pytest.raises(ValueError, match="tiered"):
@@ -169,6 +189,8 @@ def test_press_rejects_bad_input(tiny_llama):
         press_context(config, params, make_policy("kvzip", 16), CONTEXT, room=4)
     with pytest.raises(ValueError, match="room >= 1"):
         press_context(config, params, make_policy("h2o", 16), CONTEXT, room=0)
+    with pytest.raises(ValueError, match="min_slots >= 0 and chunk_multiple >= 1"):
+        press_context(config, params, make_policy("h2o", 16), CONTEXT, room=4, chunk_multiple=0)
 
 
 def np_adakv(scores, n, n_safe):

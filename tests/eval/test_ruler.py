@@ -179,20 +179,25 @@ def test_run_ruler_through_the_tiny_model(tiny_model, tmp_path):
     assert [s["policy"] for s in ruler_summary(rows)] == names
 
 
-def test_questions_a_few_tokens_apart_share_one_compiled_generate(tiny_model):
+def test_cells_of_one_length_share_one_compiled_generate(tiny_model):
+    """Questions a few tokens apart and different ratios decode with one compiled generate
+    step (the append cache is padded to one bucket); a question past the next 64-token chunk
+    compiles a new one."""
     from kvjax.eval._ruler import answer, answer_room
     from kvjax.generate import generate_from_cache
 
     assert [answer_room(q, 32) for q in (14, 15, 16, 40, 42)] == [48, 48, 64, 80, 80]
     model = tiny_model
     built = build_sample(model.tokenizer, "niah_single_1", 300, 0)
-    words = list(built.question) * 2
-    # questions of 20 and 25 tokens: 20 + 4 + 1 and 25 + 4 + 1 both round up to 32 free slots
-    a, b = (dataclasses.replace(built, question=words[:n]) for n in (20, 25))
-    before = generate_from_cache._cache_size()
+    words = list(built.question) * 8
+    assert len(words) > 70
+    a, b, c = (dataclasses.replace(built, question=words[:n]) for n in (20, 25, 40))
     answer(model, "snapkv", 0.5, a, 4)
+    first = generate_from_cache._cache_size()  # (other tests may have compiled this one)
     answer(model, "snapkv", 0.5, b, 4)
-    assert generate_from_cache._cache_size() == before + 1
-    c = dataclasses.replace(built, question=words[:28])  # 28 + 5 = 33: the next multiple, 48
-    answer(model, "snapkv", 0.5, c, 4)
-    assert generate_from_cache._cache_size() == before + 2
+    answer(model, "snapkv", 0.75, c, 4)
+    answer(model, "h2o", 0.5, c, 4)
+    assert generate_from_cache._cache_size() == first
+    d = dataclasses.replace(built, question=words[:70])  # a 128-token question chunk
+    answer(model, "snapkv", 0.5, d, 4)
+    assert generate_from_cache._cache_size() == first + 1
