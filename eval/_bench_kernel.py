@@ -70,7 +70,7 @@ def _mgpu_row(row: str) -> bool:
 
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
-    "int8_qk": (_int8_row, "INT8"),
+    "int8_qk": (lambda r: _int8_row(r) or _lowbit_row(r), "INT8 and low-bit"),
     "v_words": (_int8_row, "INT8"),
     "stack_pages": (_lowbit_row, "low-bit"),
     "asm_unpack": (_lowbit_row, "low-bit"),
@@ -269,9 +269,9 @@ def bench_kernel(
     """Time every requested row on one shape; a row that fails records its error and goes on.
 
     Then every row of `sweep_rows` again for every knob setting in `sweep` (dicts of block_k,
-    num_splits, num_warps, num_stages overriding the tuned defaults; int8_qk and v_words for the
-    INT8 row only, stack_pages, asm_unpack and tokens_m for the low-bit rows only), on the same
-    data.
+    num_splits, num_warps, num_stages overriding the tuned defaults; v_words for the INT8 row
+    only, int8_qk for the INT8 and low-bit rows, stack_pages, asm_unpack and tokens_m for the
+    low-bit rows only), on the same data.
     `on_row` sees each row as soon as it is timed (progress).
     """
     for knob, (rows_of, label) in _ROW_KNOBS.items():

@@ -112,6 +112,32 @@ def unpack_tiles(packed: Array, bits: int, cdt, asm: bool) -> list[Array]:
     ]  # fmt: skip
 
 
+def unpack_int8_asm(bits: int, i: int) -> str:
+    """PTX turning one 32-bit register of 4 packed bytes ($1) into sub-block i's 4 codes as 4
+    int8 ($0): one shift (sub-blocks after the first) and one AND for 4 codes."""
+    mask = (1 << bits) - 1
+    word = f"0x{mask:02X}{mask:02X}{mask:02X}{mask:02X}"
+    shift = [f"shr.b32 t, $1, {i * bits};"] if i else ["mov.b32 t, $1;"]
+    return "\n".join(["{", ".reg .b32 t;", *shift, f"and.b32 $0, t, {word};", "}"])
+
+
+def unpack_int8_tiles(packed: Array, bits: int, asm: bool) -> list[Array]:
+    """Every sub-block's codes of a packed uint8 tile [T, W] as int8 tiles [T, W] (codes are
+    < 2^bits <= 16, so int8 holds them exactly). asm: with `unpack_int8_asm` (compiled GPU
+    kernels only; W % 4 == 0), else with jnp shifts and masks."""
+    n, mask = 8 // bits, (1 << bits) - 1
+    if not asm:
+        return [((packed >> (i * bits)) & mask).astype(jnp.int8) for i in range(n)]
+    out = jax.ShapeDtypeStruct(packed.shape, jnp.int8)
+    return [
+        plgpu.elementwise_inline_asm(
+            unpack_int8_asm(bits, i), args=[packed], constraints="=r,r", pack=4,
+            result_shape_dtypes=[out],
+        )[0]
+        for i in range(n)
+    ]  # fmt: skip
+
+
 def asm_unpack_applies(bits: int, cdt, widths) -> bool:
     """Whether `unpack_asm` can convert these codes: 2/4-bit codes into bfloat16/float16 tiles
     whose widths (packed bytes) are multiples of 4."""
@@ -333,6 +359,7 @@ def _kernel_stacked(
     num_splits: int,
     return_logits: bool,
     asm_unpack: bool = False,
+    int8_qk: bool = False,
 ):
     """The low-bit kernel with a step's pages stacked on the query rows.
 
@@ -354,12 +381,20 @@ def _kernel_stacked(
         rows, inb, pos, kp, vp, ks, kz, vs = ld
         vz = [plgpu.load(vz_ref.at[rows, grp], mask=inb, other=0) for grp in g.grps]
         s = jnp.zeros((rp, block_k), jnp.float32)
-        zq = jnp.zeros((rp,), jnp.float32)
-        ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [block_k, sub] per sub-block
-        for i in range(n):
-            qs = (qk[i] * ks[i]).astype(cdt)  # each row's page key scales on q
-            zq = zq + jnp.sum(qk[i] * kz[i], axis=1)  # and its zeros: q·zero
-            s = s + dot_f32(qs, ktiles[i], trans_b=True)
+        zq = sum(jnp.sum(qk[i] * kz[i], axis=1) for i in range(n))  # each row's q·zero
+        qs = [qk[i] * ks[i] for i in range(n)]  # each row's page key scales on q
+        if int8_qk:  # q⊙scale per row as int8 (|q8| <= 127), the codes as int8: s8 dots
+            q_scale = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in qs])
+            q_scale = jnp.where(q_scale > 0, q_scale / 127.0, 1.0)
+            ktiles = unpack_int8_tiles(kp, bits, asm_unpack)  # [block_k, sub] per sub-block
+            for i in range(n):  # int32 sums, exact in float32 (127 · 15 · D < 2^24)
+                q8 = jnp.floor(qs[i] / q_scale[:, None] + 0.5).astype(jnp.int8)
+                s = s + dot_f32(q8, ktiles[i], trans_b=True).astype(jnp.float32)
+            s = s * q_scale[:, None]
+        else:
+            ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [block_k, sub] per sub-block
+            for i in range(n):
+                s = s + dot_f32(qs[i].astype(cdt), ktiles[i], trans_b=True)
         s = (s + zq[:, None]) * scale
         own = col_page[None, :] == row_page[:, None]  # a row attends its own page only
         s = jnp.where(own & ((pos >= 0) & (pos <= qpos))[None, :], s, -jnp.inf)
@@ -394,6 +429,7 @@ def _kernel_stacked(
         "stack_pages",
         "asm_unpack",
         "tokens_m",
+        "int8_qk",
         "interpret",
     ),
 )
@@ -412,6 +448,7 @@ def decode_attention_lowbit_triton(
     stack_pages: bool | None = None,
     asm_unpack: bool | None = None,
     tokens_m: bool | None = None,
+    int8_qk: bool | None = None,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending the packed low-bit tier, block_k tokens per step.
@@ -442,6 +479,12 @@ def decode_attention_lowbit_triton(
             default from the device's Tuning when no logits are returned, else off; 2- and
             4-bit codes only (the default skips 8-bit ones). Excludes stack_pages=True; default
             block_k as stacked.
+        int8_qk: the stacked kernel's QK on the tensor cores' int8 path: each query row's
+            q⊙(page key scale) quantized to int8 per row (adds its rounding, ≤ max/254 per
+            element, to the logits, as the INT8 tier's int8_qk), the 2/4-bit key codes unpacked
+            to int8 (one shift and one AND per 4 codes with asm_unpack) instead of converted to
+            the compute dtype. Stacked kernel, 2/4-bit codes only; default from the device's
+            Tuning (off until timed).
         interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -473,6 +516,11 @@ def decode_attention_lowbit_triton(
         raise ValueError("tokens_m needs 2- or 4-bit codes, got 8 (the stacked kernel takes them)")
     default_stack = tune.lowbit_stack_pages and not return_logits and not tm
     stack = default_stack if stack_pages is None else bool(stack_pages)
+    if int8_qk and not stack:
+        raise ValueError("int8_qk is a knob of the stacked low-bit kernel: set stack_pages=True")
+    if int8_qk and bits == 8:
+        raise ValueError("int8_qk needs 2- or 4-bit codes, got 8")
+    i8 = (tune.lowbit_int8_qk and stack and bits < 8) if int8_qk is None else bool(int8_qk)
     if (stack or tm) and block_k is None:
         block_k = stacked_block_k(tp, group, tune.lowbit_stacked_pages)
     block_k = max(block_k or tune.lowbit_block_k, tp)
@@ -492,7 +540,8 @@ def decode_attention_lowbit_triton(
         qp = pad_group(jnp.tile(q, (1, 1, npg, 1)))
         codes = (flat(tier.k), flat(tier.v))
         kern = kernel_tokens_m if tm else _kernel_stacked
-        kernel = functools.partial(kern, page=tp, group=group, asm_unpack=asm)
+        extra = {} if tm else dict(int8_qk=i8)
+        kernel = functools.partial(kern, page=tp, group=group, asm_unpack=asm, **extra)
     else:
         qp = pad_group(q)
         codes = (tier.k, tier.v)

@@ -29,6 +29,8 @@ class Tuning:
             with inline PTX (a LOP3 and a packed FMA per 2 codes) instead of jnp conversions.
         lowbit_tokens_m: the low-bit kernel puts a step's tokens on the dots' M axis (keys
             dequantized in registers as the A operand, `_triton_lowbit_tm.py`); off until timed.
+        lowbit_int8_qk: the stacked low-bit kernel runs QK as an int8 dot (q⊙scale per row
+            as int8, the codes unpacked to int8 with no conversion); off until timed.
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         int8_v_words: the INT8 kernel reads value codes as int32 words of 4 channels.
@@ -49,6 +51,7 @@ class Tuning:
     lowbit_stacked_pages: int = 2
     lowbit_asm_unpack: bool = False
     lowbit_tokens_m: bool = False
+    lowbit_int8_qk: bool = False
     int8_qk: bool = False
     int8_v_words: bool = False
     num_warps: int = 4

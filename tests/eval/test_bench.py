@@ -136,7 +136,7 @@ def test_bench_kernel_rows_bytes_and_errors():
 @pytest.mark.parametrize(
     "knob, rows, message",
     [
-        ("int8_qk", ("pallas-int8", "pallas-int4"), "int8_qk applies to the INT8 rows only"),
+        ("int8_qk", ("pallas-int4", "pallas-bf16"), "int8_qk applies to the INT8 and low-bit rows"),
         ("stack_pages", ("pallas-int2", "pallas-int8"), "stack_pages applies to the low-bit"),
         ("v_words", ("pallas-int8", "pallas-int2"), "v_words applies to the INT8 rows only"),
     ],

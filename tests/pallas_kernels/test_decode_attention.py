@@ -191,12 +191,14 @@ STEP_KERNELS = [(b, k) for b in (16, 32, None) for k in ("dequant", "stacked")]
 STEP_PARAMS = [
     pytest.param(c, b, k, id=f"{c.tiers}-{c.dtype}-g{c.ratio}-{b}-{k}")
     for c in LOWBIT_STEP_CASES
-    for b, k in STEP_KERNELS + ([(None, "tokens_m")] if c.bits < 8 else [])
+    for b, k in STEP_KERNELS
+    + ([(None, "tokens_m"), (16, "stacked-int8qk"), (None, "stacked-int8qk")] if c.bits < 8 else [])
 ]
 KERNEL_KW = {
     "dequant": dict(stack_pages=False),
     "stacked": dict(stack_pages=True),
     "tokens_m": dict(tokens_m=True),
+    "stacked-int8qk": dict(stack_pages=True, int8_qk=True),
 }
 
 
@@ -230,7 +232,8 @@ def test_triton_lowbit_loop_steps_match_float64(case, block_k, kernel):
     ]
     got_out, got_lse = combine(parts)
     out, lse, logits, seen = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
-    tol = TOL[case.dtype]
+    # int8_qk adds q's int8 rounding (<= max/254 per element), bfloat16's own size
+    tol = TOL["bfloat16"] if kernel.endswith("int8qk") else TOL[case.dtype]
     got = np.asarray(got_out, np.float64)
     assert np.all(np.isfinite(got))
     assert np.linalg.norm(got - out) / np.linalg.norm(out) < tol

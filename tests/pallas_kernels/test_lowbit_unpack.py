@@ -18,6 +18,7 @@ from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
     asm_unpack_applies,
     decode_attention_lowbit_triton,
     unpack_asm,
+    unpack_int8_asm,
 )
 
 BF16 = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16"}
@@ -91,6 +92,55 @@ def test_unpack_asm_emulated_over_every_byte(bits, cdt):
             got = _half((reg >> np.uint32(16 * (k % 2))) & np.uint32(0xFFFF), ty)
             want = (pos[k] >> (i * bits)) & ((1 << bits) - 1)
             np.testing.assert_array_equal(got, want, err_msg=f"sub-block {i}, element {k}")
+
+
+def _emulate_int8(asm: str, x: np.ndarray) -> np.ndarray:
+    """Runs the PTX subset unpack_int8_asm emits (mov, shr, and) on x [N] as $1; returns $0."""
+    regs = {"$1": x.astype(np.uint32)}
+    val = lambda t: regs[t] if t in regs else np.uint32(int(t, 0))
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> np.uint32(int(a[2], 0))
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        else:
+            raise AssertionError(f"unexpected instruction {line!r}")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpack_int8_asm_emulated_over_every_byte(bits):
+    """Byte k of $0 must be sub-block i's code of byte k of $1, (byte >> i·bits) & mask, for
+    every byte value at every position (the int8 codes of `int8_qk`)."""
+    rng = np.random.default_rng(1)
+    byte = np.concatenate([np.arange(256), rng.integers(0, 256, 256)]).astype(np.uint32)
+    pos = [np.roll(byte, 41 * k) for k in range(4)]
+    x = pos[0] | (pos[1] << 8) | (pos[2] << 16) | (pos[3] << 24)
+    for i in range(8 // bits):
+        r = _emulate_int8(unpack_int8_asm(bits, i), x)
+        for k in range(4):
+            got = (r >> np.uint32(8 * k)) & np.uint32(0xFF)
+            want = (pos[k] >> (i * bits)) & ((1 << bits) - 1)
+            np.testing.assert_array_equal(got, want, err_msg=f"sub-block {i}, byte {k}")
+
+
+def test_int8_qk_needs_the_stacked_kernel_and_low_bit_codes():
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=64)
+    q, q_pos, _, _, lowbit = make_tiers(case, 3)
+    kw = dict(scale=0.125, interpret=True, int8_qk=True)
+    with pytest.raises(ValueError, match="int8_qk is a knob of the stacked low-bit kernel"):
+        decode_attention_lowbit_triton(q, lowbit, q_pos, bits=4, stack_pages=False, **kw)
+    case8 = Case(dtype="bfloat16", tiers="fp+int8b", ratio=2, head_dim=64)
+    q, q_pos, _, _, lowbit8 = make_tiers(case8, 3)
+    with pytest.raises(ValueError, match="int8_qk needs 2- or 4-bit codes"):
+        decode_attention_lowbit_triton(q, lowbit8, q_pos, bits=8, stack_pages=True, **kw)
 
 
 def test_asm_unpack_applies_to_2_4_bit_half_codes_on_4_byte_widths():
