@@ -35,11 +35,13 @@ def _to_half(x: np.ndarray, ty: str) -> np.ndarray:
     return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, dt), jnp.uint16), np.uint32)
 
 
-def _emulate(asm: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs the PTX subset unpack_asm emits (mov, prmt, shr, lop3, fma.rn.bf16x2/f16x2) on
-    32-bit inputs x [N] as $2; returns ($0, $1). Unknown instructions fail the test."""
-    regs = {"$2": x.astype(np.uint32)}
-    val = lambda t: regs[t] if t in regs else np.uint32(int(t, 0))
+def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Runs the PTX subset the unpack programs emit (mov, prmt, shr, and, lop3,
+    fma.rn.bf16x2/f16x2) on 32-bit input registers [N]; returns every register. Unknown
+    instructions fail the test."""
+    regs = {r: x.astype(np.uint32) for r, x in inputs.items()}
+    like = next(iter(regs.values()))
+    val = lambda t: regs[t] if t in regs else np.full_like(like, int(t, 0), np.uint32)
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if line in ("{", "}") or line.startswith(".reg"):
@@ -47,11 +49,11 @@ def _emulate(asm: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         op, args = line.split(None, 1)
         a = [t.strip() for t in args.split(",")]
         if op == "mov.b32":
-            regs[a[0]] = np.full_like(x, int(a[1], 0), np.uint32)
+            regs[a[0]] = val(a[1])
         elif op == "prmt.b32":  # default mode: result byte n = byte sel_n of {b, a}
             src, other, sel = val(a[1]), val(a[2]), int(a[3], 0)
             wide = src.astype(np.uint64) | (other.astype(np.uint64) << 32)
-            out = np.zeros_like(x, np.uint32)
+            out = np.zeros_like(like, np.uint32)
             for n in range(4):
                 s = (sel >> (4 * n)) & 0xF
                 assert s < 8, "sign-replicating selectors are not used"
@@ -59,6 +61,8 @@ def _emulate(asm: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             regs[a[0]] = out
         elif op == "shr.b32":
             regs[a[0]] = val(a[1]) >> np.uint32(int(a[2], 0))
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
         elif op == "lop3.b32":
             assert a[4] == "0xEA", "only (a & b) | c is emulated"
             regs[a[0]] = (val(a[1]) & val(a[2])) | val(a[3])
@@ -72,6 +76,12 @@ def _emulate(asm: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             regs[a[0]] = halves[0] | halves[1]
         else:
             raise AssertionError(f"unexpected instruction {line!r}")
+    return regs
+
+
+def _emulate(asm: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """unpack_asm's program on 32-bit inputs x [N] as $2: ($0, $1)."""
+    regs = _run_ptx(asm, {"$2": x})
     return regs["$0"], regs["$1"]
 
 
@@ -95,24 +105,8 @@ def test_unpack_asm_emulated_over_every_byte(bits, cdt):
 
 
 def _emulate_int8(asm: str, x: np.ndarray) -> np.ndarray:
-    """Runs the PTX subset unpack_int8_asm emits (mov, shr, and) on x [N] as $1; returns $0."""
-    regs = {"$1": x.astype(np.uint32)}
-    val = lambda t: regs[t] if t in regs else np.uint32(int(t, 0))
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if line in ("{", "}") or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        a = [t.strip() for t in args.split(",")]
-        if op == "mov.b32":
-            regs[a[0]] = val(a[1])
-        elif op == "shr.b32":
-            regs[a[0]] = val(a[1]) >> np.uint32(int(a[2], 0))
-        elif op == "and.b32":
-            regs[a[0]] = val(a[1]) & val(a[2])
-        else:
-            raise AssertionError(f"unexpected instruction {line!r}")
-    return regs["$0"]
+    """unpack_int8_asm's program on x [N] as $1: $0."""
+    return _run_ptx(asm, {"$1": x})["$0"]
 
 
 @pytest.mark.parametrize("bits", [2, 4])
