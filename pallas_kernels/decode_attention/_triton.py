@@ -29,6 +29,15 @@ Array = jax.Array
 _NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
 
 
+def rows_int8(parts: list[Array]) -> tuple[list[Array], Array]:
+    """Symmetric int8 of float32 tiles [R, w_j] that together make each row: one scale per row
+    over all parts, part_j ≈ scale[:, None] · q8_j with |q8_j| <= 127 (round half up).
+    Returns (q8 per part, scale [R])."""
+    scale = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in parts])
+    scale = jnp.where(scale > 0, scale / 127.0, 1.0)
+    return [jnp.floor(x / scale[:, None] + 0.5).astype(jnp.int8) for x in parts], scale
+
+
 def dot_f32(a: Array, b: Array, *, trans_b: bool) -> Array:
     """a [M, K] · b ([N, K] if trans_b else [K, N]) in float32 (no TF32 for float32 inputs).
 
@@ -147,10 +156,7 @@ def _kernel(
     # k_pairs: q's channels come ordered [even | odd], each half dotted with one byte of the pairs
     halves = (q_ref[:, : d // 2], q_ref[:, d // 2 :]) if k_pairs else (q_ref[...],)
     if int8_qk:  # symmetric per query head: q ≈ q_scale · q8, |q8| <= 127
-        qf = [h.astype(jnp.float32) for h in halves]
-        q_scale = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h), axis=1) for h in qf])
-        q_scale = jnp.where(q_scale > 0, q_scale / 127.0, 1.0)
-        qs = [jnp.floor(h / q_scale[:, None] + 0.5).astype(jnp.int8) for h in qf]
+        qs, q_scale = rows_int8([h.astype(jnp.float32) for h in halves])
     else:
         qs = [h.astype(cdt) for h in halves]
     extent = jnp.minimum(extent_ref[()], cap)

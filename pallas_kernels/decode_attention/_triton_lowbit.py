@@ -32,6 +32,7 @@ from kvjax.pallas_kernels.decode_attention._triton import (
     head_spec,
     launch,
     pad_group,
+    rows_int8,
     split_range,
     store_rows,
 )
@@ -384,12 +385,10 @@ def _kernel_stacked(
         zq = sum(jnp.sum(qk[i] * kz[i], axis=1) for i in range(n))  # each row's q·zero
         qs = [qk[i] * ks[i] for i in range(n)]  # each row's page key scales on q
         if int8_qk:  # q⊙scale per row as int8 (|q8| <= 127), the codes as int8: s8 dots
-            q_scale = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in qs])
-            q_scale = jnp.where(q_scale > 0, q_scale / 127.0, 1.0)
+            q8, q_scale = rows_int8(qs)
             ktiles = unpack_int8_tiles(kp, bits, asm_unpack)  # [block_k, sub] per sub-block
             for i in range(n):  # int32 sums, exact in float32 (127 · 15 · D < 2^24)
-                q8 = jnp.floor(qs[i] / q_scale[:, None] + 0.5).astype(jnp.int8)
-                s = s + dot_f32(q8, ktiles[i], trans_b=True).astype(jnp.float32)
+                s = s + dot_f32(q8[i], ktiles[i], trans_b=True).astype(jnp.float32)
             s = s * q_scale[:, None]
         else:
             ktiles = unpack_tiles(kp, bits, cdt, asm_unpack)  # [block_k, sub] per sub-block
