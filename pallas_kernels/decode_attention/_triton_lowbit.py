@@ -98,16 +98,20 @@ def unpack_asm(bits: int, i: int, cdt) -> str:
 
 def unpack_tiles(packed: Array, bits: int, cdt, asm: bool) -> list[Array]:
     """Every sub-block's codes of a packed uint8 tile [T, W] as cdt tiles [T, W] (sub-block i:
-    (byte >> i·bits) & mask). asm: with `unpack_asm` (compiled GPU kernels only; needs W % 4 == 0,
-    bits 2 or 4 and a bfloat16/float16 cdt), else with jnp shifts and a conversion."""
+    (byte >> i·bits) & mask). asm: with `unpack_asm` for a bfloat16/float16 cdt, `unpack_int8_asm`
+    for int8 (codes < 2^bits <= 16, held exactly) — compiled GPU kernels only, W % 4 == 0, bits
+    2 or 4 — else with jnp shifts and a conversion."""
     n, mask = 8 // bits, (1 << bits) - 1
     if not asm:
         return [((packed >> (i * bits)) & mask).astype(cdt) for i in range(n)]
+    if jnp.dtype(cdt) == jnp.int8:  # 4 codes: 1 register out
+        program, constraints = (lambda i: unpack_int8_asm(bits, i)), "=r,r"
+    else:  # 4 codes: 2 registers out
+        program, constraints = (lambda i: unpack_asm(bits, i, cdt)), "=r,=r,r"
     out = jax.ShapeDtypeStruct(packed.shape, cdt)
     return [
         plgpu.elementwise_inline_asm(
-            unpack_asm(bits, i, cdt), args=[packed], constraints="=r,=r,r", pack=4,
-            result_shape_dtypes=[out],
+            program(i), args=[packed], constraints=constraints, pack=4, result_shape_dtypes=[out],
         )[0]
         for i in range(n)
     ]  # fmt: skip
@@ -120,23 +124,6 @@ def unpack_int8_asm(bits: int, i: int) -> str:
     word = f"0x{mask:02X}{mask:02X}{mask:02X}{mask:02X}"
     shift = [f"shr.b32 t, $1, {i * bits};"] if i else ["mov.b32 t, $1;"]
     return "\n".join(["{", ".reg .b32 t;", *shift, f"and.b32 $0, t, {word};", "}"])
-
-
-def unpack_int8_tiles(packed: Array, bits: int, asm: bool) -> list[Array]:
-    """Every sub-block's codes of a packed uint8 tile [T, W] as int8 tiles [T, W] (codes are
-    < 2^bits <= 16, so int8 holds them exactly). asm: with `unpack_int8_asm` (compiled GPU
-    kernels only; W % 4 == 0), else with jnp shifts and masks."""
-    n, mask = 8 // bits, (1 << bits) - 1
-    if not asm:
-        return [((packed >> (i * bits)) & mask).astype(jnp.int8) for i in range(n)]
-    out = jax.ShapeDtypeStruct(packed.shape, jnp.int8)
-    return [
-        plgpu.elementwise_inline_asm(
-            unpack_int8_asm(bits, i), args=[packed], constraints="=r,r", pack=4,
-            result_shape_dtypes=[out],
-        )[0]
-        for i in range(n)
-    ]  # fmt: skip
 
 
 def asm_unpack_applies(bits: int, cdt, widths) -> bool:
@@ -386,7 +373,7 @@ def _kernel_stacked(
         qs = [qk[i] * ks[i] for i in range(n)]  # each row's page key scales on q
         if int8_qk:  # q⊙scale per row as int8 (|q8| <= 127), the codes as int8: s8 dots
             q8, q_scale = rows_int8(qs)
-            ktiles = unpack_int8_tiles(kp, bits, asm_unpack)  # [block_k, sub] per sub-block
+            ktiles = unpack_tiles(kp, bits, jnp.int8, asm_unpack)  # [block_k, sub] each
             for i in range(n):  # int32 sums, exact in float32 (127 · 15 · D < 2^24)
                 s = s + dot_f32(q8[i], ktiles[i], trans_b=True).astype(jnp.float32)
             s = s * q_scale[:, None]
