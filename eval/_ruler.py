@@ -121,17 +121,18 @@ def answer_room(question: int, max_new_tokens: int) -> int:
     """Free slots after the kept context: the question, the answer and one more, rounded up to
     a multiple of 16 so that samples whose questions differ by a few tokens share one compiled
     generate step (empty slots are never attended)."""
-    return -(-(question + max_new_tokens + 1) // 16) * 16
+    return _round_up(question + max_new_tokens + 1, 16)
 
 
 # Shapes of a grid's cells rounded up to multiples of this: the append-only cache holds
-# _bucket(context + room) slots at every ratio (its free slots are never attended), the prefill
-# pads the context to a multiple of it, so the cells of one length share their compiled steps.
+# context + room slots rounded up at every ratio (its free slots are never attended), the
+# prefill pads the context to a multiple of it, so the cells of one length share their
+# compiled steps.
 _BUCKET = 256
 
 
-def _bucket(n: int) -> int:
-    return -(-n // _BUCKET) * _BUCKET
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def answer(
@@ -153,11 +154,11 @@ def answer(
         policy,
         sample.context,
         room=room,
-        min_slots=_bucket(s + room),
+        min_slots=_round_up(s + room, _BUCKET),
         chunk_multiple=_BUCKET,
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
-    chunk = -(-len(sample.question) // 64) * 64
+    chunk = _round_up(len(sample.question), 64)
     gen = GenerateConfig(max_new_tokens=max_new_tokens, chunk_size=chunk)
     q = (
         jnp.zeros((1, chunk), jnp.int32)
