@@ -251,7 +251,6 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
     FINAL=$OUT
     OUT=/tmp/ruler && rm -rf "$OUT" && mkdir -p "$OUT"
-    trap 'tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT
     i=0
     IFS=';' read -ra groups <<< "${RGROUPS:-full streaming;h2o tova;snapkv adakv-snapkv;pyramidkv chunkkv;knorm keydiff;kvzip;expected random;kvpop adakv-keydiff}"
     for grp in "${groups[@]}"; do
@@ -262,6 +261,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
         --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 \
         --out-dir "$OUT/ruler_g$i" --json > /dev/null 2> "$OUT/ruler_g$i.log" &
     done
+    # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
     trap 'kill $(jobs -p) 2>/dev/null; wait; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
     wait ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
