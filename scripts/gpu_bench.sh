@@ -262,7 +262,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
         --out-dir "$OUT/ruler_g$i" --json > /dev/null 2> "$OUT/ruler_g$i.log" &
     done
     # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
-    trap 'kill $(jobs -p) 2>/dev/null; wait; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
+    trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
     wait ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
     # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's

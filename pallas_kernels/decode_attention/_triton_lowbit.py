@@ -506,7 +506,9 @@ def decode_attention_lowbit_triton(
         raise ValueError("int8_qk is a knob of the stacked low-bit kernel: set stack_pages=True")
     if int8_qk and bits == 8:
         raise ValueError("int8_qk needs 2- or 4-bit codes, got 8")
-    i8 = (tune.lowbit_int8_qk and stack and bits < 8) if int8_qk is None else bool(int8_qk)
+    # By default only for a bfloat16 q, whose own rounding is of the int8 rounding's size.
+    on = stack and bits in tune.lowbit_int8_qk_bits and q.dtype == jnp.bfloat16
+    i8 = on if int8_qk is None else bool(int8_qk)
     if (stack or tm) and block_k is None:
         block_k = stacked_block_k(tp, group, tune.lowbit_stacked_pages)
     block_k = max(block_k or tune.lowbit_block_k, tp)

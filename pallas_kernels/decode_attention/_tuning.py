@@ -29,8 +29,9 @@ class Tuning:
             with inline PTX (a LOP3 and a packed FMA per 2 codes) instead of jnp conversions.
         lowbit_tokens_m: the low-bit kernel puts a step's tokens on the dots' M axis (keys
             dequantized in registers as the A operand, `_triton_lowbit_tm.py`); off until timed.
-        lowbit_int8_qk: the stacked low-bit kernel runs QK as an int8 dot (q⊙scale per row
-            as int8, the codes unpacked to int8 with no conversion); off until timed.
+        lowbit_int8_qk_bits: code widths (2, 4) for which the stacked low-bit kernel runs QK
+            as an int8 dot by default (q⊙scale per row as int8, the codes unpacked to int8
+            with no conversion).
         int8_qk: the INT8 kernel quantizes a bfloat16 q per query head and runs QK as an
             int8 dot (float16/float32 q never: they would lose precision).
         int8_v_words: the INT8 kernel reads value codes as int32 words of 4 channels.
@@ -51,7 +52,7 @@ class Tuning:
     lowbit_stacked_pages: int = 2
     lowbit_asm_unpack: bool = False
     lowbit_tokens_m: bool = False
-    lowbit_int8_qk: bool = False
+    lowbit_int8_qk_bits: tuple[int, ...] = ()
     int8_qk: bool = False
     int8_v_words: bool = False
     num_warps: int = 4
@@ -78,6 +79,10 @@ _HOPPER = Tuning(
     # (H200, 2026-12-02; docs/lab/2026-12-02-gpu-rows.md).
     lowbit_stacked_pages=4,
     lowbit_asm_unpack=True,
+    # QK as an int8 dot: INT4 200.3 -> 171.0 us at B = 8, S = 16K and 305.3 -> 289.6 at 32K;
+    # INT2 178.3 -> 183.4 and 300.5 -> 294.2, no gain, so INT4 only (H200, 2026-12-02;
+    # docs/lab/2026-12-02-int8qk-lowbit.md).
+    lowbit_int8_qk_bits=(4,),
     # The Mosaic GPU kernels ran slower than Triton on every tier they cover (H200, 2026-12-01,
     # B = 8, S = 32K: BF16 328.5 vs 294.7 µs, INT8 315.7 vs 192.5 µs; docs/lab/
     # 2026-12-01-mosaic-kernels.md), so the dispatch keeps Triton here: mgpu_tiers=().

@@ -270,6 +270,34 @@ def test_lowbit_default_stacks_pages_only_without_logits(monkeypatch, logits):
     assert set(traced) == {"_kernel_stacked"}
 
 
+@pytest.mark.parametrize("bits,dtype", [(4, "bfloat16"), (2, "bfloat16"), (4, "float16")])
+def test_lowbit_default_int8_qk_by_code_width(monkeypatch, bits, dtype):
+    """A Tuning's lowbit_int8_qk_bits picks the stacked kernel's int8 QK by default for the
+    listed code widths and a bfloat16 q only; an explicit int8_qk still wins."""
+    import dataclasses
+
+    from kvjax.pallas_kernels.decode_attention import _triton_lowbit
+
+    tune = dataclasses.replace(
+        _triton_lowbit.tuning_for(), lowbit_stack_pages=True, lowbit_int8_qk_bits=(4,)
+    )
+    monkeypatch.setattr(_triton_lowbit, "tuning_for", lambda: tune)
+    jax.clear_caches()
+    seen = []
+    real = _triton_lowbit._kernel_stacked
+    spy = lambda *a, **k: (seen.append(k["int8_qk"]), real(*a, **k))[1]
+    monkeypatch.setattr(_triton_lowbit, "_kernel_stacked", spy)
+    case = Case(dtype=dtype, tiers=f"fp+int{bits}", ratio=4, head_dim=64)
+    q, q_pos, _, _, lowbit = make_tiers(case, _seed("default_int8_qk", bits, dtype))
+    kw = dict(bits=bits, scale=0.125, num_splits=2, interpret=True)
+    run = _triton_lowbit.decode_attention_lowbit_triton
+    jax.eval_shape(lambda q: run(q, lowbit, q_pos, **kw), q)
+    assert seen == [bits == 4 and dtype == "bfloat16"]
+    seen.clear()
+    jax.eval_shape(lambda q: run(q, lowbit, q_pos, int8_qk=True, **kw), q)
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("logits", [False, True])
 def test_lowbit_default_tokens_m_only_without_logits(monkeypatch, logits):
     """A Tuning with lowbit_tokens_m runs `kernel_tokens_m` by default when no logits are
