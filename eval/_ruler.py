@@ -94,6 +94,29 @@ def check_ruler_policies(names: Sequence[str]) -> None:
                 f"unknown policy {name!r}; choose one of {sorted(POLICIES)} or adakv-<press> "
                 f"with a press from {list(adakv_presses())}"
             )
+        elif name != "full":
+            _check_pressable(name)
+
+
+def _check_pressable(name: str) -> None:
+    """Raise ValueError (one line) before any sample runs if `name` cannot compress once:
+    a policy that takes no budget (no ratio applies) or a tiered one (the press keeps
+    full-precision tokens: compare those under the bounded protocol, `kvjax niah`)."""
+    kw = {"num_layers": 2} if name in NEEDS_LAYERS else {}
+    try:
+        policy = make_policy(name, 4096, **kw)
+    except ValueError as e:
+        if "takes no budget" in str(e):
+            raise ValueError(f"policy {name!r} takes no budget: no compression ratio applies") from e
+        raise
+    spec = policy.cache_spec(
+        batch=1, num_layers=2, num_kv_heads=1, head_dim=64, max_len=8192, dtype=jnp.float32
+    )
+    if spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None:
+        raise ValueError(
+            f"policy {name!r} is tiered (INT8/low-bit) and the compress-once press keeps "
+            "full-precision tokens; compare it under the bounded protocol (kvjax niah)"
+        )
 
 
 def ruler_policy(name: str, budget: int, num_layers: int) -> Policy:

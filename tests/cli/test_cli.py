@@ -73,6 +73,12 @@ def test_ppl_json_fields(capsys):
             r"'confkv' is not a press adakv wraps; choose one of \['chunkkv'.*'tova'\]$",
         ),
         (["ruler", "--policy", "nope"], r"unknown policy 'nope'; .* or adakv-<press>"),
+        (  # checked before any sample runs, not when the grid reaches them
+            ["ruler", "--policy", "streaming", "confkv"],
+            r"policy 'confkv' is tiered \(INT8/low-bit\).*bounded protocol",
+        ),
+        (["ruler", "--policy", "qevict"], r"policy 'qevict' is tiered"),
+        (["ruler", "--policy", "kivi"], r"policy 'kivi' takes no budget"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(capsys, argv, match):
