@@ -107,7 +107,8 @@ def _check_pressable(name: str) -> None:
         policy = make_policy(name, 4096, **kw)
     except ValueError as e:
         if "takes no budget" in str(e):
-            raise ValueError(f"policy {name!r} takes no budget: no compression ratio applies") from e
+            msg = f"policy {name!r} takes no budget: no compression ratio applies"
+            raise ValueError(msg) from e
         raise
     spec = policy.cache_spec(
         batch=1, num_layers=2, num_kv_heads=1, head_dim=64, max_len=8192, dtype=jnp.float32
