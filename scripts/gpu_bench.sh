@@ -127,7 +127,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     done ;;
   copies)  # cache-sized copies in the compiled policy/decode loops (scripts/find_cache_copies.py)
     shift
-    (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee "$OUT/copies.txt" ;;
+    (cd /tmp && python3 "$OLDPWD/scripts/find_cache_copies.py" "$@") | tee -a "$OUT/copies.txt" ;;
   probe)  # the policy's own write and control-flow costs (scripts/policy_step_probe.py ARGS)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
