@@ -28,10 +28,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import Cache, CacheSpec, init_cache
+from kvjax.cache import Cache, CacheSpec, init_cache, stack_cache, unstack_cache
 from kvjax.eval._press_pool import pool_append_cache, pool_slots, pooled_top_slots
 from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
-from kvjax.models import ModelConfig, Params, forward
+from kvjax.models import ModelConfig, Params, forward, stack_params
 from kvjax.policies import (
     AdaKVPolicy,
     AppendPolicy,
@@ -132,16 +132,16 @@ def press_context(
         chunk = -(-s // chunk_multiple) * chunk_multiple
         gen = GenerateConfig(chunk_size=chunk, max_new_tokens=1)
         padded = jnp.zeros((1, chunk), jnp.int32).at[:, :s].set(ids)
+        empty, weights = policy.empty_cache(spec), params
+        # A layer scan where the policy allows one: one compiled layer instead of L unrolled
+        # (an evaluation grid compiles this prefill once per policy, ratio and length).
+        scan = policy.scans_layers()
+        if scan:
+            empty, weights = stack_cache(empty), stack_params(params)
         cache, _ = prefill_cache(
-            config,
-            policy,
-            gen,
-            params,
-            policy.empty_cache(spec),
-            padded,
-            jnp.asarray([s], jnp.int32),
+            config, policy, gen, weights, empty, padded, jnp.asarray([s], jnp.int32)
         )
-        layers = cache.layers
+        layers = (unstack_cache(cache) if scan else cache).layers
         keep = [
             live_slots(ly.pos) if ly.head is None else pool_slots(ly.pos, ly.head, ly.pool_heads)
             for ly in layers
