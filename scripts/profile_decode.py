@@ -4,7 +4,8 @@ jitted loop (model + attention + the policy's write), from a JAX profiler trace.
 Usage: TRACE=DIR python scripts/profile_decode.py LAYERS POLICY:BUDGET [BATCH] [KNOB=V ...]
 Random-init Llama-3-8B shapes cut to LAYERS layers (PRESET=NAME: another preset), BF16, 32K
 context (CONTEXT=N) filled with random tokens, Pallas attention. KNOB=V overrides a field of
-this device's decode-kernel `Tuning` (e.g. lowbit_stack_pages=0): an A/B of a default inside the
+this device's decode-kernel `Tuning` (e.g. lowbit_stack_pages=0; a tuple field
+takes "+"-separated ints, lowbit_int8_qk_bits=4+2): an A/B of a default inside the
 whole step. STACKED=1 profiles the layer-scan step (`--scan-layers`: stacked cache and params)
 instead of the unrolled one, e.g. to see where batch 1's scanned step loses its time.
 """
@@ -40,9 +41,13 @@ def main() -> None:
     for k in knobs:
         if k not in fields:
             raise SystemExit(f"unknown Tuning field {k!r}; fields: {', '.join(fields)}")
-    tune = dataclasses.replace(
-        tune, **{k: type(getattr(tune, k))(int(v)) for k, v in knobs.items()}
-    )
+
+    def value(k: str, v: str):  # a tuple field takes "+"-separated ints: lowbit_int8_qk_bits=4+2
+        if isinstance(getattr(tune, k), tuple):
+            return tuple(int(x) for x in v.split("+") if x)
+        return type(getattr(tune, k))(int(v))
+
+    tune = dataclasses.replace(tune, **{k: value(k, v) for k, v in knobs.items()})
     _tuning.TUNINGS[kind] = tune
     cfg = dataclasses.replace(PRESETS[os.environ.get("PRESET", "Llama-3-8B")], num_layers=layers)
     ctx = int(os.environ.get("CONTEXT", "32768"))
