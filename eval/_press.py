@@ -79,6 +79,7 @@ def press_context(
     dtype=jnp.float32,
     min_slots: int = 0,
     chunk_multiple: int = 16,
+    scan_params: Params | None = None,
 ) -> Pressed:
     """Prefill `context` and compress it once with `policy`: it keeps `cached_tokens(budget)`
     = budget - 1 tokens per KV head, as in the generate loop (a budget counts the attended
@@ -99,6 +100,9 @@ def press_context(
             slots stay empty and are never attended; the kept tokens are unchanged).
         chunk_multiple: the policy's prefill pads the context to a multiple of this (padding
             is not attended), so contexts of nearby lengths share one compiled prefill.
+        scan_params: `params` stacked along the layers (`stack_params`), for the layer-scanned
+            prefill of a policy that allows one: a caller compressing many contexts stacks
+            them once (stacked here on every call otherwise).
 
     Raises:
         ValueError: empty context, room < 1, a tiered (INT8/low-bit) policy, or KVzip without
@@ -127,7 +131,7 @@ def press_context(
         layers = full.layers
     else:
         spec = cache_spec_for(config, policy, batch=1, max_len=s, dtype=dtype)
-        if spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None:
+        if is_tiered(spec):
             raise ValueError(f"press mode keeps full-precision tokens; {policy.name!r} is tiered")
         chunk = -(-s // chunk_multiple) * chunk_multiple
         gen = GenerateConfig(chunk_size=chunk, max_new_tokens=1)
@@ -137,7 +141,8 @@ def press_context(
         # (an evaluation grid compiles this prefill once per policy, ratio and length).
         scan = policy.scans_layers()
         if scan:
-            empty, weights = stack_cache(empty), stack_params(params)
+            empty = stack_cache(empty)
+            weights = stack_params(params) if scan_params is None else scan_params
         cache, _ = prefill_cache(
             config, policy, gen, weights, empty, padded, jnp.asarray([s], jnp.int32)
         )
@@ -159,6 +164,12 @@ def press_context(
         kept=kept,
         seconds=time.perf_counter() - t0,
     )
+
+
+def is_tiered(spec: CacheSpec) -> bool:
+    """Whether a cache of `spec` has an INT8 or low-bit tier (a press keeps full-precision
+    tokens only)."""
+    return spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None
 
 
 def top_slots(scores: Array, n: int) -> Array:

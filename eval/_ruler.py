@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.generate import GenerateConfig, generate_from_cache
+from kvjax.models import Params, stack_params
 from kvjax.policies import (
     BUDGETLESS,
     NEEDS_LAYERS,
@@ -27,7 +28,7 @@ from kvjax.policies import (
 )
 from kvjax.weights import LoadedModel
 
-from ._press import press_context
+from ._press import is_tiered, press_context
 from ._ruler_tasks import _SLOT, TASKS, RulerSample, build_sample, string_match_all
 
 
@@ -102,18 +103,12 @@ def _check_pressable(name: str) -> None:
     """Raise ValueError (one line) before any sample runs if `name` cannot compress once:
     a policy that takes no budget (no ratio applies) or a tiered one (the press keeps
     full-precision tokens: compare those under the bounded protocol, `kvjax niah`)."""
-    kw = {"num_layers": 2} if name in NEEDS_LAYERS else {}
-    try:
-        policy = make_policy(name, 4096, **kw)
-    except ValueError as e:
-        if "takes no budget" in str(e):
-            msg = f"policy {name!r} takes no budget: no compression ratio applies"
-            raise ValueError(msg) from e
-        raise
-    spec = policy.cache_spec(
+    if name in BUDGETLESS:
+        raise ValueError(f"policy {name!r} takes no budget: no compression ratio applies")
+    spec = _registry_policy(name, 4096, 2).cache_spec(
         batch=1, num_layers=2, num_kv_heads=1, head_dim=64, max_len=8192, dtype=jnp.float32
     )
-    if spec.int8_capacities is not None or getattr(spec, "lowbit_pages", None) is not None:
+    if is_tiered(spec):
         raise ValueError(
             f"policy {name!r} is tiered (INT8/low-bit) and the compress-once press keeps "
             "full-precision tokens; compare it under the bounded protocol (kvjax niah)"
@@ -126,6 +121,10 @@ def ruler_policy(name: str, budget: int, num_layers: int) -> Policy:
     check_ruler_policies([name])
     if name.startswith(ADAKV_PREFIX):
         return make_policy("adakv", budget, press=name[len(ADAKV_PREFIX) :], num_layers=num_layers)
+    return _registry_policy(name, budget, num_layers)
+
+
+def _registry_policy(name: str, budget: int, num_layers: int) -> Policy:
     kw = {"num_layers": num_layers} if name in NEEDS_LAYERS else {}
     return make_policy(name, budget, **kw)
 
@@ -160,9 +159,15 @@ def _round_up(n: int, m: int) -> int:
 
 
 def answer(
-    model: LoadedModel, policy_name: str, ratio: float, sample: RulerSample, max_new_tokens: int
+    model: LoadedModel,
+    policy_name: str,
+    ratio: float,
+    sample: RulerSample,
+    max_new_tokens: int,
+    scan_params: Params | None = None,
 ) -> tuple[str, int, float]:
-    """(answer text, tokens kept per KV head (layer mean), compression seconds)."""
+    """(answer text, tokens kept per KV head (layer mean), compression seconds); `scan_params`:
+    the model's params stacked once for many calls (`press_context`)."""
     cfg = model.config
     s = len(sample.context)
     if policy_name in BUDGETLESS or ratio == 0:
@@ -180,6 +185,7 @@ def answer(
         room=room,
         min_slots=_round_up(s + room, _BUCKET),
         chunk_multiple=_BUCKET,
+        scan_params=scan_params,
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
     chunk = _round_up(len(sample.question), 64)
@@ -224,6 +230,7 @@ def run_ruler(
     check_ruler_policies(policies)
     check_ruler_args(tasks, lengths, ratios, samples)
     rows = []
+    scan_params = stack_params(model.params)  # once for every cell's scanned prefill
     for task in tasks:
         for length in lengths:
             prompts = [
@@ -233,7 +240,7 @@ def run_ruler(
                 for ratio in [0.0] if name == "full" else ratios:
                     got = []
                     for p in prompts:
-                        got.append(answer(model, name, ratio, p, max_new_tokens))
+                        got.append(answer(model, name, ratio, p, max_new_tokens, scan_params))
                         if on_sample is not None:
                             on_sample(f"{task} {length} {name} {ratio:g}")
                     rows.append(
