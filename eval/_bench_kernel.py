@@ -32,7 +32,7 @@ ROWS = (
     "pallas-bf16", "pallas-bf16+logits", "pallas-bf16-pooled", "pallas-bf16-pooled+logits",
     "pallas-int8", "pallas-int4", "pallas-int2",
     "pallas-int4-f32stats", "pallas-int2-f32stats",
-    "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8",
+    "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
 )  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def _int8_row(row: str) -> bool:
 
 
 def _lowbit_row(row: str) -> bool:
-    return "int4" in row or "int2" in row
+    return row.startswith(("pallas-int4", "pallas-int2"))
 
 
 def _mgpu_row(row: str) -> bool:
@@ -230,6 +230,30 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         return ours(bits=bits), tier, _nbytes(*arrays)
 
+    def mgpu_lowbit(bits: int):
+        # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
+        # groups, values channel-major (`to_channel_major`).
+        def build():
+            k, v = kv()
+            pages = s // da.MGPU_LOWBIT_PAGE
+            paged = lambda x: x.reshape(b, hkv, pages, da.MGPU_LOWBIT_PAGE, d).astype(jnp.float32)
+            kc, kscale, kzero = quantize_per_channel(paged(k), bits)
+            vc, vscale, vzero = quantize_per_token(paged(v), bits, 64)
+            lpos = pos.reshape(b, hkv, pages, da.MGPU_LOWBIT_PAGE)
+            ext = jnp.full((b, hkv), pages, jnp.int32)
+            tier = da.LowBitTier(pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero,
+                                 lpos, ext)  # fmt: skip
+            return da.to_channel_major(tier, bits)
+
+        def fn(q, knobs, tier):
+            p = da.decode_attention_lowbit_mgpu(
+                grouped(q), tier, q_pos, bits=bits, scale=scale, **(knobs or {})
+            )
+            return out(da.combine([p])[0])
+
+        tier = once(f"mgpu-int{bits}", build)
+        return fn, tier, _nbytes(*tier[:5])
+
     cases = {
         "copy": lambda: (None, kv(), _nbytes(*kv())),  # copy_bandwidth: bytes read + written
         "cudnn-bf16": nn_attn("cudnn"),
@@ -247,6 +271,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
         cases[f"pallas-int{bits}-f32stats"] = functools.partial(lowbit, bits, True)
+        cases[f"mgpu-int{bits}"] = functools.partial(mgpu_lowbit, bits)
     return cases
 
 

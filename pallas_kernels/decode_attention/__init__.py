@@ -14,10 +14,14 @@ from kvjax.pallas_kernels.decode_attention._api import (
     decode_attention,
     default_backend,
 )
+from kvjax.pallas_kernels.decode_attention._channel_major import PAGE as MGPU_LOWBIT_PAGE
+from kvjax.pallas_kernels.decode_attention._channel_major import to_channel_major
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
+from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
 from kvjax.pallas_kernels.decode_attention._tiers import (
+    ChannelMajorLowBitTier,
     FullTier,
     Int8Tier,
     LowBitTier,
@@ -33,6 +37,8 @@ from kvjax.pallas_kernels.decode_attention._tuning import TUNINGS, Tuning, tunin
 
 __all__ = [
     "BACKENDS",
+    "MGPU_LOWBIT_PAGE",
+    "ChannelMajorLowBitTier",
     "TUNINGS",
     "Backend",
     "DecodeResult",
@@ -45,6 +51,7 @@ __all__ = [
     "attention_mass",
     "combine",
     "decode_attention",
+    "decode_attention_lowbit_mgpu",
     "decode_attention_lowbit_tpu",
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
@@ -53,5 +60,6 @@ __all__ = [
     "decode_attention_tpu",
     "decode_attention_triton",
     "default_backend",
+    "to_channel_major",
     "tuning_for",
 ]

@@ -8,7 +8,13 @@ from typing import Literal, NamedTuple
 import jax
 
 from kvjax.pallas_kernels.decode_attention._combine import combine
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, PooledTier
+from kvjax.pallas_kernels.decode_attention._tiers import (
+    ChannelMajorLowBitTier,
+    FullTier,
+    Int8Tier,
+    LowBitTier,
+    PooledTier,
+)
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 
 Array = jax.Array
@@ -41,7 +47,7 @@ def decode_attention(
     *,
     full: FullTier | PooledTier,
     int8: Int8Tier | None = None,
-    lowbit: LowBitTier | None = None,
+    lowbit: LowBitTier | ChannelMajorLowBitTier | None = None,
     bits: int = 2,
     scale: float,
     backend: Backend = "triton",
@@ -70,6 +76,9 @@ def decode_attention(
             GPU backends only, dense tiers run by the Triton kernels); the low-bit tier is
             per layer as always.
 
+    A ChannelMajorLowBitTier as `lowbit` (`to_channel_major`) runs the Mosaic GPU low-bit kernel
+    (`decode_attention_lowbit_mgpu`, GPU backends only, no logits).
+
     A PooledTier as `full` (one slot pool shared by the KV heads) runs the pooled Triton kernel
     (`decode_attention_pooled_triton`; GPU backends only, no other tier): its logits are
     [B, Hkv, G, P], -inf on the slots other KV heads own.
@@ -79,6 +88,17 @@ def decode_attention(
             "decode attention: layer= (a stacked tier read in place) runs the GPU dense kernels "
             f"only, not backend {backend!r} or a PooledTier; slice the layer out instead"
         )
+    if isinstance(lowbit, ChannelMajorLowBitTier):
+        if backend not in ("triton", "mosaic"):
+            raise ValueError(
+                "decode attention: a ChannelMajorLowBitTier runs on the GPU backends, "
+                f"not {backend!r}"
+            )
+        if return_logits:
+            raise ValueError(
+                "decode attention: the Mosaic GPU low-bit kernel returns no per-slot logits; "
+                "pass the token-major LowBitTier where a policy needs them"
+            )
     if isinstance(full, PooledTier):
         if backend not in ("triton", "mosaic"):
             raise ValueError(
@@ -120,10 +140,13 @@ def decode_attention(
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, **tiling, **knobs))
-    if lowbit is not None:
+    knobs["num_splits"] = num_splits
+    if isinstance(lowbit, ChannelMajorLowBitTier):
+        parts.append(_mgpu_lowbit(q, lowbit, q_pos, bits=bits, backend=backend, **knobs))
+    elif lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
         paged = dict(block_k=block_k) if backend != "tpu" else {}
-        parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
+        parts.append(packed(q, lowbit, q_pos, bits=bits, **paged, **knobs))
     out, lse = combine(parts)
     logits = tuple(p.logits for p in parts) if return_logits else ()
     return DecodeResult(out, lse, logits)
@@ -146,3 +169,12 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
         return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
     return triton_fn(q, tier, q_pos, block_k=block_k, **kw)
+
+
+def _mgpu_lowbit(q, tier, q_pos, *, bits, backend, return_logits, **kw):
+    """A channel-major low-bit tier (checked above: GPU backend, no logits): the Mosaic GPU
+    kernel."""
+    from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
+
+    del backend, return_logits
+    return decode_attention_lowbit_mgpu(q, tier, q_pos, bits=bits, **kw)

@@ -94,6 +94,32 @@ class LowBitTier(NamedTuple):
     extent: Array
 
 
+class ChannelMajorLowBitTier(NamedTuple):
+    """The low-bit tier in the Mosaic GPU kernel's layout (`to_channel_major`): pages of
+    Tp = 64 tokens, values packed along the page's tokens (channel-major), every byte XOR
+    0x80 (the top code slice sign-flipped), statistics kernel-ready and stacked so that a page
+    streams as five copies.
+
+    Attributes:
+        k: [B, Hkv, P, Tp, D·bits/8] uint8: key codes packed along D (`kvjax.quant.pack`), ^0x80.
+        v: [B, Hkv, P, D, Tp·bits/8] uint8: value codes packed along the page's tokens: byte j
+            of channel d holds tokens j + i·Tp·bits/8 at bits i·bits; ^0x80.
+        k_stats: [B, Hkv, P, 2, D] bfloat16 per page and channel: (scale·2^-(c·bits),
+            zero + [c top]·2^(bits-1)·scale), c the code slice of the channel.
+        v_stats: [B, Hkv, P, 2, NG, Tp] bfloat16 per token and group of D/NG channels, the
+            same two with c the code slice of the token.
+        pos: [B, Hkv, P, Tp] int32, -1 = not attended.
+        extent: [B, Hkv] int32, one past the last page with an attended token.
+    """
+
+    k: Array
+    v: Array
+    k_stats: Array
+    v_stats: Array
+    pos: Array
+    extent: Array
+
+
 class Partials(NamedTuple):
     """What one tier's kernel returns: attention restricted to each split of that tier.
 

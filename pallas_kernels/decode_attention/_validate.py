@@ -7,7 +7,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, LowBitTier, PooledTier
+from kvjax.pallas_kernels.decode_attention._tiers import (
+    ChannelMajorLowBitTier,
+    FullTier,
+    Int8Tier,
+    LowBitTier,
+    PooledTier,
+)
 
 Array = jax.Array
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -102,3 +108,31 @@ def check_lowbit(tier, q, bits: int) -> None:
         _expect(f"LowBitTier.{f}", getattr(tier, f), (b, hkv, pages, tp, ng), _FLOATS)
     _expect("LowBitTier.pos", tier.pos, (b, hkv, pages, tp), (jnp.int32,))
     _expect("LowBitTier.extent", tier.extent, (b, hkv), (jnp.int32,))
+
+
+def check_channel_major(tier, q, bits: int) -> None:
+    """A ChannelMajorLowBitTier of `bits`-bit codes against q [B, Hkv, G, D]."""
+    b, hkv, _, d = q.shape
+    name = "ChannelMajorLowBitTier"
+    if bits not in (2, 4):
+        _fail("bits", f"must be 2 or 4 for a {name}, got {bits}")
+    if not isinstance(tier, ChannelMajorLowBitTier):
+        _fail("tier", f"must be a {name} (to_channel_major), got {type(tier).__name__}")
+    if not hasattr(tier.k, "shape") or tier.k.ndim != 5:
+        _fail(
+            f"{name}.k", f"must be [B, Hkv, P, Tp, D·bits/8], got {getattr(tier.k, 'shape', None)}"
+        )
+    pages, tp, dp = tier.k.shape[2:]
+    if dp * 8 != d * bits:
+        _fail(f"{name}.k", f"packed width {dp} does not hold D={d} channels at {bits} bits")
+    if tp * bits % 8:
+        _fail(f"{name}.k", f"a page of {tp} tokens does not pack whole bytes at {bits} bits")
+    _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, dp), (jnp.uint8,))
+    _expect(f"{name}.v", tier.v, (b, hkv, pages, d, tp * bits // 8), (jnp.uint8,))
+    _expect(f"{name}.k_stats", tier.k_stats, (b, hkv, pages, 2, d), (jnp.bfloat16,))
+    ng = tier.v_stats.shape[4] if getattr(tier.v_stats, "ndim", 0) == 6 else 0
+    if ng < 1 or d % ng:
+        _fail(f"{name}.v_stats", f"needs [B, Hkv, P, 2, NG, Tp] with NG dividing D={d}")
+    _expect(f"{name}.v_stats", tier.v_stats, (b, hkv, pages, 2, ng, tp), (jnp.bfloat16,))
+    _expect(f"{name}.pos", tier.pos, (b, hkv, pages, tp), (jnp.int32,))
+    _expect(f"{name}.extent", tier.extent, (b, hkv), (jnp.int32,))

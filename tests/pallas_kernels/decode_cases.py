@@ -45,7 +45,7 @@ def _extent(pos: np.ndarray) -> np.ndarray:
     return np.where(pos >= 0, np.arange(1, n + 1), 0).max(-1).astype(np.int32)
 
 
-def make_tiers(case: Case, seed: int, page: int = PAGE):
+def make_tiers(case: Case, seed: int, page: int = PAGE, value_group: int = VALUE_GROUP):
     """(q [B, Hkv, G, D], q_pos [B], FullTier, Int8Tier|None, LowBitTier|None) from fresh noise."""
     rng = np.random.default_rng(seed)
     b, h, g, d, n = case.batch, case.kv_heads, case.ratio, case.head_dim, case.cap
@@ -74,7 +74,7 @@ def make_tiers(case: Case, seed: int, page: int = PAGE):
             jnp.asarray(normal(b, h, pages, page, d)), case.bits
         )
         vc, vscale, vzero = quant.quantize_per_token(
-            jnp.asarray(normal(b, h, pages, page, d)), case.bits, min(VALUE_GROUP, d)
+            jnp.asarray(normal(b, h, pages, page, d)), case.bits, min(value_group, d)
         )
         pl_ = _positions(rng, b, h, pages * page, span).reshape(b, h, pages, page)
         pl_[1, 0, 1] = -1  # a dormant page in the middle

@@ -1,0 +1,295 @@
+"""Decode attention over the low-bit (INT4/INT2) tier: Pallas Mosaic GPU (Hopper, `plgpu`).
+
+Tokens on the wgmma M axis. One CTA (one warpgroup) per (sequence, KV head, split) walks its
+split's 64-token pages of a `ChannelMajorLowBitTier` (`to_channel_major`). For each page:
+
+- QK: S [64 tokens, N] = K·q^T. The key codes [64 tokens, D·bits/8] come from shared memory
+  into registers; each code slice (one AND with its bit mask, read as int8: `_slice`) is
+  converted to bfloat16 and dequantized with the page's kernel-ready per-channel statistics;
+  the slices, concatenated, are the A operand of one wgmma against q^T (the G query heads
+  zero-padded to N = 8 columns, 16 when G > 8; in shared memory once per call). No query row
+  is padded to 64 and no code goes back to shared memory.
+- Online softmax along the token axis: the max is the page's one cross-warp reduction; the
+  denominator stays a [64, N] tile summed after the loop.
+- PV: out^T [D, N] = V^T·P'. The channel-major value codes of a 64-channel half [64, 64
+  tokens] are the A operand with no arithmetic but the mask and the conversion: each token's
+  value scale multiplies its probability (P', stored transposed to shared memory: the loop's
+  only stored tile) and its zero adds up as Σ_t p·zero in a [64, N] tile per value group.
+
+Every byte of a page (codes, the statistics stacked beside them, positions) streams by TMA
+`stages` pages ahead. Needs a bfloat16 q, D a multiple of 64, G ≤ 16, 64-token pages and value
+groups of ≥ 64 channels. Measured and why it is built so: docs/lab/2026-12-03-mgpu-lowbit.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kvjax.pallas_kernels.decode_attention._channel_major import PAGE
+from kvjax.pallas_kernels.decode_attention._mgpu import smem_tile
+from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
+from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
+from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
+from kvjax.pallas_kernels.decode_attention._validate import check_channel_major, check_query
+
+Array = jax.Array
+COLS = 16  # most query heads per KV head (the dots' N; 8 when G <= 8)
+_NEG = -1e30
+
+
+def _slice(packed: Array, c: int, bits: int) -> Array:
+    """Code slice c of packed bytes as bfloat16 where it lies: 2^(c·bits)·code, minus 2^7 on the
+    sign-flipped top slice. One AND and the int8 → bfloat16 conversion, no shift (8-bit shifts
+    do not lower); `kernel_stats` puts the power of two into the scale."""
+    mask = ((1 << bits) - 1) << (c * bits)
+    return (packed & jnp.uint8(mask)).astype(jnp.int8).astype(jnp.bfloat16)
+
+
+def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
+    """Why the Mosaic GPU low-bit kernel cannot run this (validated) tier (None if it can)."""
+    tp, d = tier.k.shape[3], q.shape[3]
+    ng = tier.v_stats.shape[4]
+    if q.dtype != jnp.bfloat16:
+        return f"q dtype {q.dtype} (needs bfloat16)"
+    if tp != PAGE:
+        return f"{tp}-token pages (needs {PAGE})"
+    if d % 64:
+        return f"head dim {d} (needs a multiple of 64)"
+    if (d // ng) % 64:
+        return f"value groups of {d // ng} channels (needs a multiple of 64)"
+    if q.shape[2] > COLS:
+        return f"{q.shape[2]} query heads per KV head (at most {COLS})"
+    return None
+
+
+def _kernel(
+    extent_ref,  # [B, Hkv] int32
+    qpos_ref,  # [B] int32
+    q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
+    k_ref,  # [B, Hkv, P, 64, D·bits/8] uint8
+    v_ref,  # [B, Hkv, P, D, 64·bits/8] uint8
+    ks_ref,  # [B, Hkv, P, 2, D] bf16 kernel-ready key statistics
+    vs_ref,  # [B, Hkv, P, 2, NG, 64] bf16 kernel-ready value statistics
+    pos_ref,  # [B, Hkv, P, 64] int32
+    o_ref,  # [B, Hkv, S, D, N] f32: out^T
+    lse_ref,  # [B, Hkv, S, N] f32
+    q_smem,  # [N, D] bf16
+    k_smem,  # [stages, 64, D·bits/8] uint8
+    v_smem,  # [stages, D, 64·bits/8] uint8
+    ks_smem,  # [stages, 2, D] bf16
+    vs_smem,  # [stages, 2, NG, 64] bf16
+    pos_smem,  # [stages, 64] int32
+    p_smem,  # [NG, N, 64] bf16: P^T times each value group's scales (K-major for the dot)
+    lse_smem,  # [N] f32
+    *stage,  # interpreted: A-operand tiles in shared memory; then the barriers
+    bits: int,
+    scale: float,
+    stages: int,
+    num_splits: int,
+    interpret: bool,
+):
+    if interpret:
+        ka_smem, va_smem, *bars = stage
+    else:
+        ka_smem = va_smem = None
+        bars = stage
+    q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    pages_cap = k_ref.shape[2]
+    cols, d = q_ref.shape[2:]
+    n = 8 // bits
+    w = d // n  # channels per key code slice
+    ng = vs_ref.shape[4]
+    halves = d // 64
+    grp = [(r * 64) // (d // ng) for r in range(halves)]  # value group of each 64-channel half
+    extent = jnp.minimum(extent_ref[b, h], pages_cap)
+    qpos = qpos_ref[b]
+    per = lax.div(extent + num_splits - 1, num_splits)
+    first = split * per
+    last = jnp.minimum(first + per, extent)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
+    row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+
+    def issue(i, slot, when):
+        @pl.when(when)
+        def _():
+            plgpu.copy_gmem_to_smem(k_ref.at[b, h, i], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, h, i], v_smem.at[slot], v_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ks_ref.at[b, h, i], ks_smem.at[slot], ks_bar.at[slot])
+            plgpu.copy_gmem_to_smem(vs_ref.at[b, h, i], vs_smem.at[slot], vs_bar.at[slot])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b, h, i], pos_smem.at[slot], pos_bar.at[slot])
+
+    for j in range(stages):
+        issue(first + j, j, first + j < last)
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def operand(x, stage_ref):
+        """A [64, K] bfloat16 tile as a wgmma A operand: registers, or shared memory under the
+        interpreter (whose wgmma reads both operands from there)."""
+        if not interpret:
+            return x
+        stage_ref[...] = x
+        plgpu.commit_smem()
+        return stage_ref
+
+    def step(i, carry):
+        acc, zt, m, l = carry
+        slot = lax.rem(i - first, stages)
+        for bar in (pos_bar, ks_bar, k_bar):
+            plgpu.barrier_wait(bar.at[slot])
+        pos = plgpu.load(pos_smem.at[slot], layout=row, optimized=True)
+
+        def qk(s_ref):
+            kc = k_smem[slot]  # [64 tokens, D·bits/8] uint8
+            keys = []
+            for c in range(n):  # slice c: channels c·w ... (c+1)·w
+                # Statistics loaded at their use: a whole page's at once would hold registers
+                # that cap the CTAs per multiprocessor.
+                st = [
+                    plgpu.load(ks_smem.at[slot, j, pl.ds(c * w, w)], layout=col, optimized=True)
+                    for j in range(2)
+                ]  # fmt: skip
+                code = _slice(kc, c, bits)
+                kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
+                keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
+            keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
+            plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((PAGE, cols), jnp.float32)) * scale
+        seen = (pos >= 0) & (pos <= qpos)
+        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=0))
+        corr = lax.broadcast_in_dim(jnp.exp(m - m_new), s.shape, [1])
+        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+        # The denominator and the value zeros' share stay [64, N] tiles, their rows summed
+        # once after the loop: the max is the page's one cross-warp reduction.
+        l = l * corr + p
+        plgpu.barrier_wait(vs_bar.at[slot])
+        new_zt = []
+        for g in range(ng):
+            vst = [plgpu.load(vs_smem.at[slot, j, g], layout=row, optimized=True) for j in range(2)]
+            vst = [lax.broadcast_in_dim(x.astype(jnp.float32), s.shape, [0]) for x in vst]
+            # A token's value scale multiplies its probability: value codes need no FMA.
+            p_smem.at[g].T[...] = (p * vst[0]).astype(jnp.bfloat16)
+            new_zt.append(zt[g] * corr + p * vst[1])
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(*o_refs):
+            for r, o_ref_ in enumerate(o_refs):
+                vc = v_smem[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
+                codes = [_slice(vc, c, bits) for c in range(n)]  # slice c: tokens c·64/n ...
+                codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]  # [64, 64]
+                plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r]].T)
+            return tuple(o[...] for o in o_refs)
+
+        parts = pl.run_scoped(pv, *[plgpu.ACC((64, cols), jnp.float32) for _ in range(halves)])
+        # The page is read (into registers, and by the dots): refill its slot.
+        plgpu.commit_smem()
+        issue(i + stages, slot, i + stages < last)
+        new = tuple(a * corr + part for a, part in zip(acc, parts, strict=True))
+        return new, tuple(new_zt), m_new, l
+
+    zeros = plgpu.layout_cast(jnp.zeros((64, cols), jnp.float32), plgpu.Layout.WGMMA)
+    init = (
+        tuple(zeros for _ in range(halves)),
+        tuple(zeros for _ in range(ng)),
+        plgpu.layout_cast(jnp.full((cols,), _NEG, jnp.float32), col),
+        zeros,
+    )
+    acc, zt, m, l = lax.fori_loop(first, last, step, init)
+    l = l.sum(axis=0)
+    has = l > 0
+    safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), (64, cols), [1])
+    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    zsum = [lax.broadcast_in_dim(z.sum(axis=0), (64, cols), [1]) for z in zt]
+    for r, a in enumerate(acc):
+        o_ref[b, h, split, pl.ds(r * 64, 64)] = (a + zsum[grp[r]]) / safe
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "scale", "num_splits", "stages", "interpret"))
+def decode_attention_lowbit_mgpu(
+    q: Array,
+    tier: ChannelMajorLowBitTier,
+    q_pos: Array,
+    *,
+    bits: int,
+    scale: float,
+    num_splits: int | None = None,
+    stages: int | None = None,
+    interpret: bool = False,
+) -> Partials:
+    """One decode query per sequence attending one low-bit tier (Mosaic GPU, tokens on M).
+
+    Args:
+        q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
+        tier: ChannelMajorLowBitTier of `bits`-bit codes in 64-token pages.
+        q_pos: [B] int32 query positions.
+        bits: 2 or 4.
+        scale: logit scale.
+        num_splits: splits per (sequence, KV head); default fills the chip.
+        stages: pages in flight (TMA copies ahead of the dots); default from the Tuning.
+        interpret: run in the Mosaic GPU interpreter (CPU tests).
+
+    Returns:
+        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and no logits.
+    """
+    check_query(q, q_pos)
+    check_channel_major(tier, q, bits)
+    why = mgpu_lowbit_applies(tier, q)
+    if why:
+        raise ValueError(f"decode attention (Mosaic GPU low-bit): unsupported {why}")
+    b, hkv, group, d = q.shape
+    pages = tier.k.shape[2]
+    tune = tuning_for()
+    stages = max(1, min(stages or tune.mgpu_stages, pages))
+    splits = num_splits or _num_splits(b, hkv, pages, tune.mgpu_target_programs)
+    cols = 8 if group <= 8 else COLS
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
+    f32 = jnp.float32
+    out_type = [
+        jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
+        jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
+    ]
+    ng = tier.v_stats.shape[4]
+    kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
+    scratch = [
+        smem_tile((cols, d), jnp.bfloat16),
+        plgpu.SMEM((stages, PAGE, kbytes), jnp.uint8),
+        plgpu.SMEM((stages, d, vbytes), jnp.uint8),
+        plgpu.SMEM((stages, 2, d), jnp.bfloat16),
+        plgpu.SMEM((stages, 2, ng, PAGE), jnp.bfloat16),
+        plgpu.SMEM((stages, PAGE), jnp.int32),
+        smem_tile((ng, cols, PAGE), jnp.bfloat16),
+        plgpu.SMEM((cols,), f32),
+    ]
+    if interpret:
+        scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
+    scratch += [plgpu.Barrier(num_barriers=1)] + [plgpu.Barrier(num_barriers=stages)] * 5
+    body = functools.partial(
+        _kernel, bits=bits, scale=scale, stages=stages, num_splits=splits, interpret=interpret
+    )
+    o, lse = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(b, hkv, splits),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name=f"kvjax_decode_int{bits}_mgpu",
+    )(tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
+    out = jnp.swapaxes(o, -1, -2)[..., :group, :]
+    return Partials(out, lse[..., :group], None)

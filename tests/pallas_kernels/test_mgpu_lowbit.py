@@ -1,0 +1,207 @@
+"""The Mosaic GPU low-bit kernel (tokens on the wgmma M axis) vs the float64 oracle, compiled on a
+GPU and interpreted on CPU; its layout (`to_channel_major`) against the tier it comes from.
+
+`TestMgpuLowbit` compiles the `plgpu` kernel (skipped without a GPU); `TestMgpuLowbitInterpret`
+reruns it in the Mosaic GPU interpreter. Pages have holes, one head stops pages early, a page in
+the middle is dormant, and sequence 1 has half its positions in its future.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_cases import Case, make_tiers, oracle
+
+from kvjax import quant
+from kvjax.eval._kernel_ir import H200
+from kvjax.pallas_kernels.decode_attention import (
+    MGPU_LOWBIT_PAGE,
+    ChannelMajorLowBitTier,
+    combine,
+    decode_attention,
+    decode_attention_lowbit_mgpu,
+    to_channel_major,
+)
+
+TOL = 2e-2  # bfloat16 operands
+
+
+def _tiers(case: Case, seed: int, value_group: int = 64):
+    """(q, q_pos, channel-major tier, oracle tiers (empty full, low-bit)) with 64-token pages."""
+    q, q_pos, full, _, lowbit = make_tiers(
+        case, seed, page=MGPU_LOWBIT_PAGE, value_group=value_group
+    )
+    empty = full._replace(pos=jnp.full_like(full.pos, -1))
+    return q, q_pos, to_channel_major(lowbit, case.bits), (empty, lowbit)
+
+
+CASES = [
+    Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=128, cap=200),
+    Case(dtype="bfloat16", tiers="fp+int2", ratio=4, head_dim=128, cap=200),
+    Case(dtype="bfloat16", tiers="fp+int4", ratio=1, head_dim=64, cap=200),
+    Case(dtype="bfloat16", tiers="fp+int2", ratio=3, head_dim=64, cap=200),
+    Case(dtype="bfloat16", tiers="fp+int4", ratio=16, head_dim=128, cap=200),
+]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+class TestMgpuLowbit:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("compiled Mosaic GPU kernels need a GPU; the Interpret class covers CPU")
+
+    @pytest.mark.parametrize("splits", [1, 3])
+    @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.tiers}-g{c.ratio}-d{c.head_dim}")
+    def test_matches_float64(self, case, splits):
+        q, q_pos, tier, (full, lowbit) = _tiers(case, _seed(case, splits, self.INTERPRET))
+        scale = q.shape[-1] ** -0.5
+        res = decode_attention_lowbit_mgpu(
+            q, tier, q_pos, bits=case.bits, scale=scale, num_splits=splits, stages=2,
+            interpret=self.INTERPRET,
+        )  # fmt: skip
+        out, lse = combine([res])
+        want, want_lse, _, _ = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
+        got = np.asarray(out, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
+        np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
+
+    def test_nothing_visible_gives_zero_and_minus_inf(self):
+        case = CASES[0]
+        q, q_pos, tier, _ = _tiers(case, _seed("empty", self.INTERPRET))
+        tier = tier._replace(pos=jnp.full_like(tier.pos, -1))
+        res = decode_attention_lowbit_mgpu(
+            q, tier, q_pos, bits=4, scale=0.1, num_splits=2, interpret=self.INTERPRET
+        )
+        out, lse = combine([res])
+        assert np.all(np.asarray(out) == 0)
+        assert np.all(np.asarray(lse) == -np.inf)
+
+
+class TestMgpuLowbitInterpret(TestMgpuLowbit):
+    INTERPRET = True
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def _slice_values(packed: np.ndarray, c: int, bits: int) -> np.ndarray:
+    """What the kernel reads for code slice c: the masked byte as a signed int8."""
+    mask = ((1 << bits) - 1) << (c * bits)
+    return (packed & mask).astype(np.uint8).view(np.int8).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
+    """Every key and value, rebuilt from the channel-major layout as its docstring says (slice
+    by mask, read as int8, kernel-ready statistics), equals the token-major tier's dequantized
+    one up to the one bfloat16 rounding of the adjusted zero."""
+    case = Case(dtype="bfloat16", tiers=f"fp+int{bits}", ratio=2, head_dim=128, cap=130)
+    _, _, cm, (_, lowbit) = _tiers(case, _seed("layout", bits))
+    n, d = 8 // bits, 128
+    ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])  # [B, Hkv, P, D]
+    k_cm = np.concatenate(
+        [_slice_values(np.asarray(cm.k), c, bits) for c in range(n)], axis=-1
+    )  # [B, Hkv, P, Tp, D]: slice c holds channels c·w ... (c+1)·w
+    k_cm = k_cm * ks[:, :, :, None] + kz[:, :, :, None]
+    k_ref = _f32(quant.unpack(lowbit.k, bits)) * _f32(lowbit.k_scale)[:, :, :, None]
+    k_ref = k_ref + _f32(lowbit.k_zero)[:, :, :, None]
+    bound = 2.0**-8 * (np.abs(kz) + 2.0**bits * np.abs(ks))[:, :, :, None] + 1e-6
+    assert np.all(np.abs(k_cm - k_ref) <= bound)
+    vs, vz = _f32(cm.v_stats[:, :, :, 0]), _f32(cm.v_stats[:, :, :, 1])  # [B, Hkv, P, NG, Tp]
+    ng = vs.shape[3]
+    v_cm = np.concatenate(
+        [_slice_values(np.asarray(cm.v), c, bits) for c in range(n)], axis=-1
+    )  # [B, Hkv, P, D, Tp]: slice c holds tokens c·tv ... (c+1)·tv
+    group = np.arange(d) // (d // ng)
+    v_cm = v_cm * vs[:, :, :, group] + vz[:, :, :, group]
+    v_ref = _f32(quant.unpack(lowbit.v, bits)).reshape(*lowbit.v.shape[:4], ng, d // ng)
+    v_ref = v_ref * _f32(lowbit.v_scale)[..., None] + _f32(lowbit.v_zero)[..., None]
+    v_ref = np.swapaxes(v_ref.reshape(*lowbit.v.shape[:4], d), -1, -2)
+    bound = 2.0**-8 * (np.abs(vz) + 2.0**bits * np.abs(vs))[:, :, :, group] + 1e-6
+    assert np.all(np.abs(v_cm - v_ref) <= bound)
+    np.testing.assert_array_equal(np.asarray(cm.pos), np.asarray(lowbit.pos))
+
+
+def test_unsupported_input_gets_one_clear_error():
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=128, cap=130)
+    q, q_pos, tier, (_, lowbit) = _tiers(case, 1)
+    run = functools.partial(decode_attention_lowbit_mgpu, scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="q dtype float32"):
+        run(q.astype(jnp.float32), tier, q_pos, bits=4)
+    with pytest.raises(ValueError, match="must be a ChannelMajorLowBitTier"):
+        run(q, lowbit, q_pos, bits=4)
+    with pytest.raises(ValueError, match="packed width"):
+        run(q, tier, q_pos, bits=2)
+    with pytest.raises(ValueError, match="must be 2 or 4"):
+        run(q, tier, q_pos, bits=8)
+    with pytest.raises(ValueError, match=r"v_stats has dtype float32"):
+        run(q, tier._replace(v_stats=tier.v_stats.astype(jnp.float32)), q_pos, bits=4)
+    q2, qp2, t2, _ = _tiers(case, 2, value_group=32)
+    with pytest.raises(ValueError, match="value groups of 32 channels"):
+        run(q2, t2, qp2, bits=4)
+    case16 = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=128, cap=130)
+    q3, qp3, _, (_, lb16) = make_tiers_page(case16, 3, 32)
+    with pytest.raises(ValueError, match="32-token pages"):
+        run(q3, to_channel_major(lb16, 4), qp3, bits=4)
+
+
+def make_tiers_page(case: Case, seed: int, page: int):
+    q, q_pos, full, _, lowbit = make_tiers(case, seed, page=page, value_group=64)
+    return q, q_pos, full, (None, lowbit)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kernel_lowers_for_h200(bits):
+    b, hkv, g, d, pages = 2, 8, 4, 128, 16
+    sds = jax.ShapeDtypeStruct
+    tier = ChannelMajorLowBitTier(
+        sds((b, hkv, pages, 64, d * bits // 8), jnp.uint8),
+        sds((b, hkv, pages, d, 64 * bits // 8), jnp.uint8),
+        sds((b, hkv, pages, 2, d), jnp.bfloat16),
+        sds((b, hkv, pages, 2, 2, 64), jnp.bfloat16),
+        sds((b, hkv, pages, 64), jnp.int32),
+        sds((b, hkv), jnp.int32),
+    )
+    q = jax.ShapeDtypeStruct((b, hkv, g, d), jnp.bfloat16)
+    q_pos = jax.ShapeDtypeStruct((b,), jnp.int32)
+    fn = functools.partial(decode_attention_lowbit_mgpu, bits=bits, scale=d**-0.5, num_splits=4)
+    with jax.sharding.use_abstract_mesh(H200):
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
+    assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
+
+
+def test_decode_attention_routes_a_channel_major_tier_to_the_mosaic_kernel():
+    """A layer's full tier (Triton) and its channel-major low-bit tier (Mosaic GPU) combined by
+    `decode_attention` equal the float64 oracle over both tiers."""
+    case = Case(dtype="bfloat16", tiers="fp+int2", ratio=4, head_dim=64, cap=70)
+    q, q_pos, full, _, lowbit = make_tiers(case, 5, page=MGPU_LOWBIT_PAGE, value_group=64)
+    scale = 0.125
+    got = decode_attention(
+        q, q_pos, full=full, lowbit=to_channel_major(lowbit, 2), bits=2, scale=scale,
+        interpret=True, num_splits=2,
+    )  # fmt: skip
+    want, want_lse, _, _ = oracle(q, q_pos, full, None, lowbit, 2, scale)
+    out = np.asarray(got.out, np.float64)
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < TOL
+    np.testing.assert_allclose(np.asarray(got.lse), want_lse, atol=10 * TOL)
+    cm = to_channel_major(lowbit, 2)
+    with pytest.raises(ValueError, match="GPU backends, not 'tpu'"):
+        decode_attention(q, q_pos, full=full, lowbit=cm, bits=2, scale=scale, backend="tpu")
+    with pytest.raises(ValueError, match="no per-slot logits"):
+        decode_attention(
+            q, q_pos, full=full, lowbit=cm, bits=2, scale=scale, return_logits=True,
+            interpret=True,
+        )  # fmt: skip
