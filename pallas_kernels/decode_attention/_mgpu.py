@@ -43,6 +43,21 @@ def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=tr)
 
 
+def decode_grid(body, out_type, scratch, grid: tuple[int, int, int], name: str, interpret: bool):
+    """The Mosaic GPU decode kernels' launch: one warpgroup a (sequence, KV head, split), grid
+    axes named "b", "h", "s", approximate exp/log, the interpreter when asked."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name=name,
+    )
+
+
 def mgpu_applies(tier, q: Array, block_k: int) -> str | None:
     """Why the Mosaic GPU dense kernel cannot run this tier (None if it can)."""
     cap, d = tier.k.shape[-2:]
@@ -333,15 +348,7 @@ def decode_attention_mgpu(
         q_in_smem=q_in_smem,
         cdt=cdt,
     )
-    outs = plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(b, hkv, splits),
-        grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-        kernel_name="kvjax_decode_int8_mgpu" if quantized else "kvjax_decode_full_mgpu",
-    )(*arrays)
+    name = "kvjax_decode_int8_mgpu" if quantized else "kvjax_decode_full_mgpu"
+    outs = decode_grid(body, out_type, scratch, (b, hkv, splits), name, interpret)(*arrays)
     logits = outs[2] if return_logits else None
     return Partials(outs[0][:, :, :, :group], outs[1][..., :group], logits)

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas_kernels.decode_attention._channel_major import PAGE
-from kvjax.pallas_kernels.decode_attention._mgpu import smem_tile
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
@@ -281,15 +281,9 @@ def decode_attention_lowbit_mgpu(
     body = functools.partial(
         _kernel, bits=bits, scale=scale, stages=stages, num_splits=splits, interpret=interpret
     )
-    o, lse = plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(b, hkv, splits),
-        grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-        kernel_name=f"kvjax_decode_int{bits}_mgpu",
-    )(tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
+    launch = decode_grid(
+        body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret
+    )
+    o, lse = launch(tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     return Partials(out, lse[..., :group], None)
