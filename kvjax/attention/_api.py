@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -38,7 +39,7 @@ def attend(
     implementation: Implementation = "auto",
     need_mass: bool = True,
     key_shift: KeyShift | None = None,
-    rotate=None,
+    rotate: Callable[[Array, Array], Array] | None = None,
 ) -> tuple[Array, AttnStats]:
     """Attention of this call's queries over the layer's cache and this call's own tokens.
 

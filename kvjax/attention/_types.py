@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from flax import struct
 
@@ -46,7 +48,7 @@ class KeyShift:
     lowbit: Array | None = None
 
 
-def turn_keys(k: Array, by: Array, rotate) -> Array:
+def turn_keys(k: Array, by: Array, rotate: Callable[[Array, Array], Array]) -> Array:
     """Keys k [B, Hkv, N, D] each turned by `by` [B, Hkv, N] int32 positions with `rotate`
     (the model's RoPE, `rotate(x [B', T, H, D], by [B', T])`), in k's dtype."""
     b, h, n, d = k.shape

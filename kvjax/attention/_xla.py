@@ -8,6 +8,8 @@ read once for all heads, each head's queries masked to the slots it owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -32,7 +34,7 @@ def attend_xla(
     *,
     scale: float,
     key_shift: KeyShift | None = None,
-    rotate=None,
+    rotate: Callable[[Array, Array], Array] | None = None,
 ) -> tuple[Array, AttnStats]:
     """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ low-bit ‖ new tokens].
 
