@@ -231,7 +231,8 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     reassemble_gguf
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
     # SET=FIELD=VALUE passes `--set` to every policy and tags the file names
-    # (POLICIES=streaming SET=position_shift=true: StreamingLLM's positions within the cache)
+    # (SET=position_shift=true: positions within the cache, for streaming, the ranked policies
+    # and qevict; window, full and kivi refuse it, so leave them out of POLICIES)
     tag=${SET:+_${SET//[^A-Za-z0-9]/_}}; s=(); [ -n "${SET:-}" ] && s=(--set "$SET")
     for pol in ${POLICIES:-window streaming h2o confkv qevict kvpop kivi full}; do
       b=(--budget "${BUDGET:-1024}"); case $pol in full|kivi) b=() ;; esac

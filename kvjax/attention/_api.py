@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention._types import AttnStats
+from kvjax.attention._types import AttnStats, KeyShift, turn_keys
 from kvjax.attention._xla import attend_xla
 from kvjax.cache import LayerCache, StackedLayer
 from kvjax.sharding import active_layout
@@ -37,6 +38,8 @@ def attend(
     scale: float | None = None,
     implementation: Implementation = "auto",
     need_mass: bool = True,
+    key_shift: KeyShift | None = None,
+    rotate: Callable[[Array, Array], Array] | None = None,
 ) -> tuple[Array, AttnStats]:
     """Attention of this call's queries over the layer's cache and this call's own tokens.
 
@@ -59,6 +62,15 @@ def attend(
             else xla).
         need_mass: whether the caller reads the attention mass; False lets the Pallas kernels
             skip the per-slot logits (the mass fields then hold zeros). XLA drops unused mass.
+        key_shift: None, or the positions by which each cached key is turned (with `rotate`,
+            the model's RoPE) before it is scored: keys attended at positions other than the
+            ones they were cached at (positions within the cache). The Pallas path reads a
+            turned copy of the layer's full-precision keys (one layer at a time); a layer with
+            an INT8 or low-bit tier takes the XLA path, which turns those keys after
+            dequantizing them (the kernels fuse dequantization into their loads and cannot
+            turn them).
+        rotate: `rotate(x [B, T, H, D], by [B, T] int32)`, the model's RoPE; needed with
+            `key_shift`.
 
     Returns:
         (out [B, T, Hq, D], AttnStats).
@@ -78,6 +90,20 @@ def attend(
     if scale is None:
         scale = d**-0.5
     implementation = resolve_implementation(implementation)
+    xla_args: dict = {}
+    if key_shift is not None:
+        if rotate is None or layer.head is not None:
+            raise ValueError(
+                "attend: key_shift needs `rotate` (the model's RoPE) and a per-head cache "
+                "layer (a pooled layer's slots are shared by heads)"
+            )
+        xla_args = dict(key_shift=key_shift, rotate=rotate)
+        if layer.int8 is None and layer.lowbit is None:
+            # The kernels read a turned copy of this layer's keys (not the stack in place).
+            layer, stacked = layer.replace(k=turn_keys(layer.k, key_shift.full, rotate)), None
+            xla_args = {}
+        elif implementation == "pallas":
+            implementation = "xla"  # quantized keys are turned after dequantization, in XLA
     args = (q, layer, k_new, v_new, q_pos, new_valid, query_weight)
     if implementation == "pallas" and t == 1:
         from kvjax.attention._pallas import attend_pallas, attend_pallas_sharded
@@ -91,7 +117,7 @@ def attend(
         if layer.head is None or (layout is None and default_backend() != "tpu"):
             return attend_pallas(*args, scale=scale, need_mass=need_mass, stacked=stacked)
     if implementation in ("xla", "pallas"):
-        return attend_xla(*args, scale=scale)
+        return attend_xla(*args, scale=scale, **xla_args)
     raise ValueError(
         f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from flax import struct
 
@@ -27,3 +29,28 @@ class AttnStats:
     lse: Array
     int8_mass: Array | None = None
     lowbit_mass: Array | None = None
+
+
+@struct.dataclass
+class KeyShift:
+    """Positions by which attention turns each cached key before scoring it (keys are cached
+    after RoPE at their original positions; RoPE is a rotation, so turning a key by s positions
+    makes the query see it s positions later). Values are never touched.
+
+    Attributes:
+        full: [B, Hkv, C] int32 shift of each full-precision slot.
+        int8: [B, Hkv, Cq] int32 shift of each INT8 slot (None without an INT8 tier).
+        lowbit: [B, Hkv, P, G] int32 shift of each low-bit slot (None without that tier).
+    """
+
+    full: Array
+    int8: Array | None = None
+    lowbit: Array | None = None
+
+
+def turn_keys(k: Array, by: Array, rotate: Callable[[Array, Array], Array]) -> Array:
+    """Keys k [B, Hkv, N, D] each turned by `by` [B, Hkv, N] int32 positions with `rotate`
+    (the model's RoPE, `rotate(x [B', T, H, D], by [B', T])`), in k's dtype."""
+    b, h, n, d = k.shape
+    turned = rotate(k.reshape(b * h, n, 1, d), by.reshape(b * h, n))
+    return turned.reshape(b, h, n, d)

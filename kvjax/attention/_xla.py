@@ -8,11 +8,13 @@ read once for all heads, each head's queries masked to the slots it owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from kvjax._numerics import einsum_f32
-from kvjax.attention._types import AttnStats
+from kvjax.attention._types import AttnStats, KeyShift, turn_keys
 from kvjax.cache import LayerCache
 from kvjax.quant import dequantize_int8, dequantize_per_channel, dequantize_per_token, unpack
 
@@ -31,6 +33,8 @@ def attend_xla(
     query_weight: Array,
     *,
     scale: float,
+    key_shift: KeyShift | None = None,
+    rotate: Callable[[Array, Array], Array] | None = None,
 ) -> tuple[Array, AttnStats]:
     """Softmax attention of T queries over [full slots ‖ INT8 slots ‖ low-bit ‖ new tokens].
 
@@ -43,6 +47,11 @@ def attend_xla(
         new_valid: [B, T] bool, token is real (not padding).
         query_weight: [B, T] float32 weight of each query in the returned mass.
         scale: logit scale (1/sqrt(D) usually).
+        key_shift: None, or positions by which each cached key (every tier; the INT8 and
+            low-bit ones after dequantization) is turned before it is scored, by `rotate`
+            (the model's RoPE). This call's own keys are never turned; masks stay on the
+            original positions.
+        rotate: `rotate(x [B, T, H, D], by [B, T])`, needed with `key_shift`.
 
     Returns:
         out [B, T, Hq, D] in q's dtype, and AttnStats.
@@ -53,7 +62,11 @@ def attend_xla(
     qpos = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1]
     # Segments of keys: (keys [B, Hkv, S, D], values, positions [B, Hkv, S]); a pooled layer's
     # keys/values are [B, 1, P, D], shared by every head (its `owner` mask picks each head's).
-    cache_segs = [(layer.k, layer.v, layer.pos)]
+    turn = lambda k, by: k if key_shift is None else turn_keys(k, by, rotate)
+    if key_shift is not None and (rotate is None or layer.head is not None):
+        raise ValueError("key_shift needs `rotate` and a per-head (not pooled) cache layer")
+    shift = KeyShift(full=None) if key_shift is None else key_shift
+    cache_segs = [(turn(layer.k, shift.full), layer.v, layer.pos)]
     owner = None
     if layer.head is not None:  # [B, Hkv, 1, 1, P]: the slot belongs to this KV head
         heads = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
@@ -62,7 +75,7 @@ def attend_xla(
         t8 = layer.int8
         cache_segs.append(
             (
-                dequantize_int8(t8.k, t8.k_scale, q.dtype),
+                turn(dequantize_int8(t8.k, t8.k_scale, q.dtype), shift.int8),
                 dequantize_int8(t8.v, t8.v_scale, q.dtype),
                 t8.pos,
             )
@@ -73,7 +86,8 @@ def attend_xla(
         k8 = dequantize_per_channel(unpack(lb.k, lb.bits), lb.k_scale, lb.k_zero, q.dtype)
         v8 = dequantize_per_token(unpack(lb.v, lb.bits), lb.v_scale, lb.v_zero, q.dtype)
         flat = lambda x: x.reshape(b_, h_, p_ * g_, *x.shape[4:])
-        cache_segs.append((flat(k8), flat(v8), lb.pos.reshape(b_, h_, p_ * g_)))
+        by = None if shift.lowbit is None else shift.lowbit.reshape(b_, h_, p_ * g_)
+        cache_segs.append((turn(flat(k8), by), flat(v8), lb.pos.reshape(b_, h_, p_ * g_)))
     scores, masks = [], []
     for k, _, pos in cache_segs:
         if k.shape[1] == hkv:

@@ -18,14 +18,16 @@ def fit_policy(policy: Policy, config: ModelConfig) -> Policy:
     Raises:
         TypeError: `policy` is not a `kvjax.policies.Policy`.
         ValueError: `policy.num_layers` differs from `config.num_layers`, or the policy moves
-            keys by RoPE positions (`Policy.repositions_keys`) and the model has no RoPE.
+            keys by RoPE positions (`Policy.repositions_keys`, `Policy.shifts_key_positions`)
+            and the model has no RoPE.
     """
     if not isinstance(policy, Policy):
         raise TypeError(
             f"policy must be a kvjax.policies.Policy (e.g. make_policy('h2o', 256)), "
             f"got {type(policy).__name__}"
         )
-    if policy.repositions_keys() and rope_rotation(config) is None:
+    moves_keys = policy.repositions_keys() or policy.shifts_key_positions()
+    if moves_keys and rope_rotation(config) is None:
         raise ValueError(
             f"{type(policy).__name__} moves cached keys to new RoPE positions, but the model "
             f"{config.name or ''} has no RoPE (learned absolute positions); use it without "

@@ -78,6 +78,7 @@ def model_step(
         query_weight=query_weight,
         implementation=implementation,
         need_mass=policy.uses_attention_mass,
+        key_shift=_key_shifts(policy, cache),
     )
     # Every read of the cache (attention) completes before the policy writes into it; without
     # this XLA's CPU compiler may sink a read past the write and copy the whole cache.
@@ -102,6 +103,18 @@ def model_step(
         layers = tuple(policy.reposition_keys(layer, *moved) for layer in layers)
     new_cache = Cache(layers=layers, length=cache.length + n_valid, policy_state=state)
     return out.logits, constrain_cache(new_cache)  # identity unless traced under a layout
+
+
+def _key_shifts(policy: Policy, cache: Cache):
+    """Each layer's `Policy.key_shift` for this call (positions within the cache), one per
+    layer or one stacked over a stacked cache; None when the policy attends keys where they
+    were cached."""
+    if not policy.shifts_key_positions():
+        return None
+    first = cache.length  # [B] the position of this call's first query
+    if is_stacked(cache):
+        return jax.vmap(lambda layer: policy.key_shift(layer, first))(cache.layers)
+    return tuple(policy.key_shift(layer, first) for layer in cache.layers)
 
 
 def check_scannable(policy: Policy, what: str) -> None:

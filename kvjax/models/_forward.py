@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax._numerics import einsum_f32
-from kvjax.attention import AttnStats, Implementation, attend
+from kvjax.attention import AttnStats, Implementation, KeyShift, attend
 from kvjax.cache import Cache, StackedLayer, is_stacked, num_layers, stack_trees
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
@@ -56,6 +56,7 @@ def forward(
     implementation: Implementation = "auto",
     return_queries: bool = False,
     need_mass: bool = True,
+    key_shift: tuple[KeyShift, ...] | KeyShift | None = None,
 ) -> ForwardOutput:
     """Run the model on T new tokens per sequence, attending over the cache plus themselves.
 
@@ -72,10 +73,24 @@ def forward(
         implementation: attention implementation name.
         return_queries: also return each layer's queries (the KVpop teacher needs them).
         need_mass: whether the attention mass in `stats` is read (see `attend`).
+        key_shift: None, or per layer the positions by which attention turns each cached key
+            (`KeyShift`; one per layer, or one with a leading [L] axis over a stacked cache):
+            keys attended at positions within the cache (`Policy.key_shift`). RoPE models only.
+
+    Raises:
+        ValueError: `key_shift` for a model without RoPE.
     """
     attn = dict(query_weight=query_weight, implementation=implementation, need_mass=need_mass)
+    if key_shift is not None:
+        rotate = rope_rotation(config)
+        if rotate is None:
+            raise ValueError(f"key_shift: the model {config.name or ''} has no RoPE")
+        attn["rotate"] = rotate
+    else:
+        n = num_layers(cache)
+        key_shift = None if is_stacked(cache) else (None,) * n
     run = _gpt2 if config.arch == Arch.GPT2 else _llama
-    out, qs = run(config, params, tokens, positions, valid, cache, attn)
+    out, qs = run(config, params, tokens, positions, valid, cache, key_shift, attn)
     return out.replace(q=qs) if return_queries else out
 
 
@@ -95,8 +110,9 @@ def _split_heads(x: Array, h: int, d: int) -> Array:
     return x.reshape(*x.shape[:-1], h, d)
 
 
-def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn):
-    """One Llama block: x [B, T, E] → (x, (q, k, v, stats))."""
+def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, valid, attn):
+    """One Llama block: x [B, T, E] → (x, (q, k, v, stats)); `shift`: the layer's KeyShift
+    or None."""
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     rope = (config.rope_theta, config.rope_scaling)
     h = rms_norm(x, lp.attn_norm, config.norm_eps)
@@ -104,7 +120,7 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn
     k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
     v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
     k, v = _to_cache_dtype(layer_cache, k, v)
-    o, st = attend(q, layer_cache, k, v, positions, valid, **attn)
+    o, st = attend(q, layer_cache, k, v, positions, valid, key_shift=shift, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.norm_eps)
     gate = dense(h, lp.w_gate).astype(jnp.float32)
@@ -113,8 +129,9 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn
     return x, (q, k, v, st)
 
 
-def _gpt2_layer(config: ModelConfig, lp, layer_cache, x, positions, valid, attn):
-    """One GPT-2 block: x [B, T, E] → (x, (q, k, v, stats))."""
+def _gpt2_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, valid, attn):
+    """One GPT-2 block: x [B, T, E] → (x, (q, k, v, stats)); `shift` is always None."""
+    del shift
     hq, d = config.num_heads, config.head_dim
     h = layer_norm(x, lp.ln1_g, lp.ln1_b, config.norm_eps)
     qkv = dense(h, lp.w_qkv, lp.b_qkv)
@@ -133,42 +150,43 @@ def _to_cache_dtype(layer_cache, k, v):
     return k.astype(kv.k.dtype), v.astype(kv.v.dtype)
 
 
-def _layers(config: ModelConfig, block, param_layers, cache: Cache, x, args):
+def _layers(config: ModelConfig, block, param_layers, cache: Cache, shifts, x, args):
     """Every block in order: unrolled over a per-layer cache, a `lax.scan` over a stacked one
     (its layer compiled once; each block gets a `StackedLayer`, the stack and its index, read
-    only, so attention kernels that take the stack read it in place).
+    only, so attention kernels that take the stack read it in place). `shifts`: a KeyShift (or
+    None) per layer, or one stacked KeyShift (or None) over a stacked cache.
     Returns x and (qs, ks, vs, stats): tuples per layer, or stacked [L, ...] arrays."""
-    run = lambda x, lp, lc: block(config, lp, lc, x, *args)  # args: positions, valid, attn
+    run = lambda x, lp, lc, ks: block(config, lp, lc, ks, x, *args)  # positions, valid, attn
     if not is_stacked(cache):
         if not isinstance(param_layers, tuple | list):  # stacked params: layer i is a slice
             n = len(cache.layers)
             param_layers = [jax.tree.map(lambda a, i=i: a[i], param_layers) for i in range(n)]
         outs = []
-        for lp, lc in zip(param_layers, cache.layers, strict=True):
-            x, out = run(x, lp, lc)
+        for lp, lc, ks in zip(param_layers, cache.layers, shifts, strict=True):
+            x, out = run(x, lp, lc, ks)
             outs.append(out)
         return x, tuple(tuple(o) for o in zip(*outs, strict=True))
     if isinstance(param_layers, tuple):  # per-layer params: stacked here, i.e. once per call
         param_layers = stack_trees(param_layers, "the model's layer parameters")
     n = num_layers(cache)
-    body = lambda x, xs: run(x, xs[0], StackedLayer(cache.layers, xs[1]))
-    return jax.lax.scan(body, x, (param_layers, jnp.arange(n, dtype=jnp.int32)))
+    body = lambda x, xs: run(x, xs[0], StackedLayer(cache.layers, xs[1]), xs[2])
+    return jax.lax.scan(body, x, (param_layers, jnp.arange(n, dtype=jnp.int32), shifts))
 
 
-def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, attn):
+def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, shifts, attn):
     x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
     args = (positions, valid, attn)
-    x, (qs, ks, vs, stats) = _layers(config, _llama_layer, p.layers, cache, x, args)
+    x, (qs, ks, vs, stats) = _layers(config, _llama_layer, p.layers, cache, shifts, x, args)
     x = rms_norm(x, p.final_norm, config.norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
     logits = einsum_f32("bte,ev->btv", x, head)
     return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs
 
 
-def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, attn):
+def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, shifts, attn):
     x = jnp.take(p.wte, tokens, axis=0) + jnp.take(p.wpe, positions, axis=0)
     args = (positions, valid, attn)
-    x, (qs, ks, vs, stats) = _layers(config, _gpt2_layer, p.layers, cache, x, args)
+    x, (qs, ks, vs, stats) = _layers(config, _gpt2_layer, p.layers, cache, shifts, x, args)
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
     logits = einsum_f32("bte,ve->btv", x, p.wte)
     return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs

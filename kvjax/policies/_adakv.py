@@ -64,6 +64,11 @@ class AdaKVPolicy(Policy):
                 f"AdaKVPolicy wraps full-precision policies with a fixed budget; "
                 f"{p.name!r} is tiered, budget-adaptive or writes its own slots"
             )
+        if p.position_shift:
+            raise ValueError(
+                "AdaKVPolicy does not support position_shift: its heads share one pool of "
+                f"slots (build {p.name!r} with position_shift=False, or use {p.name!r} itself)"
+            )
         if not 0.0 <= self.alpha_safeguard <= 1.0:
             raise ValueError(
                 f"AdaKVPolicy.alpha_safeguard must be in [0, 1], got {self.alpha_safeguard}"

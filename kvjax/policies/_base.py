@@ -21,8 +21,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import AttnStats
+from kvjax.attention import AttnStats, KeyShift
 from kvjax.cache import Cache, CacheSpec, LayerCache, init_cache, write_slots
+from kvjax.policies._cache_positions import cache_position_shift
 
 Array = jax.Array
 
@@ -160,6 +161,27 @@ class Policy(abc.ABC):
         """
         del next_pos, rotate
         return layer
+
+    def shifts_key_positions(self) -> bool:
+        """Whether attention turns the cached keys to other RoPE positions (`key_shift`) for
+        every call's queries, leaving the cache as it is (the ranked policies and QEvict with
+        `position_shift`)."""
+        return False
+
+    def key_shift(self, layer: LayerCache, first_pos: Array) -> KeyShift:
+        """Positions by which attention turns each cached key for this call's queries.
+
+        Called by `model_step` before the forward, only when `shifts_key_positions()`; the
+        model turns the keys with its own RoPE inside attention, from the cached keys as they
+        are (no rounding accumulates, the cache is not written). Default: positions within
+        the cache (`kvjax.policies._cache_positions.cache_position_shift`): the key of rank r
+        among the n cached tokens at position r, the query at n.
+
+        Args:
+            layer: the layer's cache before this call's write.
+            first_pos: [B] int32 position of this call's first query.
+        """
+        return cache_position_shift(layer, first_pos)
 
     def scans_layers(self) -> bool:
         """Whether every layer is written by the same function, `layer_index` only indexing

@@ -43,6 +43,9 @@ class ConfKVPolicy(RankedPolicy):
         num_layers: L, the model's layer count, for pyramid budgets. None (the default): taken
             from the model by the generate loop / `new_cache`; a count that differs from the
             model's is refused there (ValueError).
+        position_shift: attend each kept key at its position within the cache, the query
+            one past them (StreamingLLM §3.2 over the kept set; `RankedPolicy`), for streams
+            past the model's trained context. Default False: original positions.
     """
 
     name = "confkv"

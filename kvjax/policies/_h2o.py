@@ -18,6 +18,9 @@ class H2OPolicy(RankedPolicy):
         budget: tokens attended per step per KV head per layer (the current one included).
         recent_ratio: share of the cached tokens (budget - 1) given to the recent window
             (paper: half).
+        position_shift: attend each kept key at its position within the cache, the query
+            one past them (StreamingLLM §3.2 over the kept set; `RankedPolicy`), for streams
+            past the model's trained context. Default False: original positions.
     """
 
     name = "h2o"

@@ -69,6 +69,9 @@ class KVpopPolicy(RankedPolicy):
         decay: λ, temporal decay: priority = r̂_t + λ·t, METHODS' "+ temporal decay" (−λ·(q − t)
             ranks like +λ·t at any q, so priorities stay static). Ours: 0.005 per token, the best
             of {0, 0.005, 0.01, 0.02} on a tuning essay (docs/results.md).
+        position_shift: attend each kept key at its position within the cache, the query
+            one past them (StreamingLLM §3.2 over the kept set; `RankedPolicy`), for streams
+            past the model's trained context. Default False: original positions.
     """
 
     name = "kvpop"

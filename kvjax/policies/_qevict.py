@@ -49,6 +49,12 @@ class QEvictPolicy(Policy):
         moves: windows an event quantizes, and windows it brings into full precision, per round
             and KV head; an event runs as many rounds as its busiest head needs, each reading
             only the windows it moves. None: one round over every candidate (same result).
+        position_shift: attend every key at its position within the cache (StreamingLLM
+            §3.2 over the kept set): the key of rank r among the n tokens attended from the
+            cache, over the full-precision and low-bit tiers together, at position r, the
+            query at n (`RankedPolicy`'s docstring has the rule and what is exact). Low-bit
+            keys are turned after dequantization, so this takes the XLA attention; windows
+            out of the cache are not attended and not counted. Default False.
     """
 
     name = "qevict"
@@ -60,8 +66,13 @@ class QEvictPolicy(Policy):
     bits: int = 2
     value_group: int | None = None
     moves: int | None = 16
+    position_shift: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.position_shift, bool):
+            raise ValueError(
+                f"QEvictPolicy.position_shift must be True or False, got {self.position_shift!r}"
+            )
         if self.window < 1:
             raise ValueError(f"QEvictPolicy.window must be >= 1, got {self.window}")
         if self.sinks < 0:
@@ -83,6 +94,9 @@ class QEvictPolicy(Policy):
                 f"band + window (1 + {self.sinks} + {self.local_band} + {self.window}): no room "
                 "for ranked windows"
             )
+
+    def shifts_key_positions(self) -> bool:
+        return self.position_shift
 
     @property
     def local_band(self) -> int:

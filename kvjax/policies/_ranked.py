@@ -60,6 +60,23 @@ class RankedPolicy(Policy):
 
     A budget N counts the tokens attended per step, the current one included: the cache holds
     the ring's W tokens before the current one and a ranked region of N - 1 - W.
+
+    Positions (`position_shift`, every ranked policy). By default every key is attended at the
+    RoPE position it was cached at, so past the model's trained context a kept old token sits
+    at a distance the model never saw. With `position_shift=True` attention sees each key at
+    its position within the cache, StreamingLLM's rule (§3.2) applied to the kept set: the key
+    of rank r (by original position) among the n tokens cached for a (sequence, KV head) is
+    attended at position r, the query at n, so every distance n − r is at most the cache size.
+    Attention turns each cached key by RoPE from the key as cached, every call
+    (`kvjax.policies._cache_positions`; the cache is never rewritten, nothing accumulates,
+    values never change), so scores, priorities and evictions see the attention the model
+    actually computes. Exact for one token per call (decode, `score_tokens` with `chunk=1`,
+    `kvjax stream`). In a multi-token call the cached keys are ranked once, before the call,
+    and the call's token i sits at n + i: exactly the rule for the set those queries attend
+    (the cache before the call plus the call's earlier tokens), which is the policy's own
+    approximation of chunked prefill (no eviction inside a call). Needs a RoPE model; the
+    Pallas decode path reads a turned copy of each layer's full-precision keys, and a layer
+    with an INT8 tier (`int8`) takes the XLA attention.
     """
 
     @property
@@ -71,6 +88,9 @@ class RankedPolicy(Policy):
     # the new token into the ring) run as one kernel instead of one XLA scatter per array;
     # "auto" (default): "pallas" on GPU, "xla" elsewhere (`resolve_write_kernel`).
     write_kernel: str = "auto"
+    # Positions within the cache (class docstring): the key of rank r among the n cached
+    # tokens is attended at position r and the query at n (default False: original positions).
+    position_shift: bool = False
 
     # Decode keeps the ranked region as prefill left it: scores stop changing and a token leaving
     # the ring only enters the ranked region if there is a free slot (SnapKV).
@@ -128,6 +148,11 @@ class RankedPolicy(Policy):
                 f"{type(self).__name__}: write_kernel must be one of {WRITE_KERNELS}, "
                 f"got {self.write_kernel!r}"
             )
+        if not isinstance(self.position_shift, bool):
+            raise ValueError(
+                f"{type(self).__name__}.position_shift must be True or False, "
+                f"got {self.position_shift!r}"
+            )
         if self.ring < 1:
             raise ValueError(f"{type(self).__name__}: the recent window must be >= 1 token")
         for layer in (0,):
@@ -139,6 +164,9 @@ class RankedPolicy(Policy):
                     f"({self.ring}); it must be at least 1 + window + max(1, sinks) "
                     f"= {1 + self.ring + max(1, self.sinks)}"
                 )
+
+    def shifts_key_positions(self) -> bool:
+        return self.position_shift
 
     def capacity(self, max_len: int) -> int:
         del max_len

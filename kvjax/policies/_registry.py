@@ -96,6 +96,11 @@ def make_policy(
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
     cls = POLICIES[name]
+    if "position_shift" in kwargs and name != "adakv" and not _has_field(cls, "position_shift"):
+        raise ValueError(
+            f"policy {name!r} has no position_shift (positions within the cache); it is a "
+            f"setting of {', '.join(shifting_policies())}"
+        )
     if name in BUDGETLESS:
         if budget is not None:
             raise ValueError(f"policy {name!r} keeps every token and takes no budget")
@@ -113,3 +118,13 @@ def make_policy(
         return cls(budget=budget, **kwargs)
     except TypeError as e:  # an unknown hyperparameter name
         raise ValueError(f"policy {name!r}: {e}") from None
+
+
+def _has_field(cls: Any, field: str) -> bool:
+    cls = cls.func if isinstance(cls, functools.partial) else cls
+    return field in getattr(cls, "__dataclass_fields__", {})
+
+
+def shifting_policies() -> tuple[str, ...]:
+    """Names of the policies that take `position_shift` (positions within the cache)."""
+    return tuple(n for n, c in POLICIES.items() if n != "adakv" and _has_field(c, "position_shift"))

@@ -16,6 +16,9 @@ class TOVAPolicy(RankedPolicy):
     Attributes:
         budget: tokens attended per step per KV head per layer (the current one included).
         recent: newest tokens exempt from eviction (1: only the token just written).
+        position_shift: attend each kept key at its position within the cache, the query
+            one past them (StreamingLLM §3.2 over the kept set; `RankedPolicy`), for streams
+            past the model's trained context. Default False: original positions.
     """
 
     name = "tova"

@@ -14,7 +14,7 @@ from kvjax.cache import stack_cache
 from kvjax.eval._bench import _decode, _policy_only, cache_sized_shapes, hlo_copies
 from kvjax.generate import new_cache
 from kvjax.models import Arch, ModelConfig, init_params, stack_params
-from kvjax.policies import StreamingPolicy
+from kvjax.policies import H2OPolicy, StreamingPolicy
 
 
 def cache_copies(policy, config, *, model: bool = False, stacked: bool = False) -> list[str]:
@@ -113,4 +113,13 @@ def test_position_shift_decode_step_copies_no_cache_sized_array(stacked):
     # a slice update of the donated buffer, never a new cache.
     config = ModelConfig(**{**CONFIG, "num_layers": 2})
     policy = StreamingPolicy(budget=200, position_shift=True)
+    assert cache_copies(policy, config, model=True, stacked=stacked) == []
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "layer-scan"])
+def test_ranked_position_shift_decode_step_copies_no_cache_sized_array(stacked):
+    # Attention turns the keys it reads (positions within the cache); the cache itself is
+    # still written in place, never copied.
+    config = ModelConfig(**{**CONFIG, "num_layers": 2})
+    policy = H2OPolicy(budget=200, position_shift=True)
     assert cache_copies(policy, config, model=True, stacked=stacked) == []

@@ -103,3 +103,78 @@ def masked_nll(config, params, tokens, mask: np.ndarray, positions=None) -> np.n
     m = logits.max(-1, keepdims=True)
     logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     return -logp[np.arange(len(tokens) - 1), np.asarray(tokens)[1:]]
+
+
+def rank_positions(kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions within the cache for any kept set, StreamingLLM's rule (§3.2) read off the
+    mask: query i attends the keys j with kept[..., i, j] (itself included); a kept key of rank
+    r among them (by position) sits at r, and the query, the last of its row, at the count of
+    the others.
+
+    Args:
+        kept: [..., S, S] bool, query i attends key j (j <= i, kept[..., i, i] True).
+
+    Returns:
+        query_pos [..., S] and key_pos [..., S, S] int64 (only kept entries are meaningful).
+    """
+    key_pos = np.cumsum(kept, axis=-1) - 1
+    query_pos = np.diagonal(key_pos, axis1=-2, axis2=-1)
+    return query_pos, key_pos
+
+
+def _rope_per(x, pos, theta):
+    """x: [..., D] rotated to positions pos [...] (one position per vector)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(pos, np.float64)[..., None] * inv
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate(
+        [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1
+    )
+
+
+def per_head_nll(config, params, tokens, kept, positions=None) -> np.ndarray:
+    """[S-1] float64 NLL of tokens 1..S-1 of a Llama-family model where each layer's KV head
+    attends its own kept set: query i of the KV head h of layer l sees key j iff
+    kept[l, h, i, j] (its G query heads share it, as they share the cache).
+
+    Args:
+        kept: [L, Hkv, S, S] bool.
+        positions: None (token i at RoPE position i), or (query_pos [L, Hkv, S], key_pos
+            [L, Hkv, S, S]) giving each (query, key) pair its RoPE positions (`rank_positions`).
+    """
+    f = lambda a: None if a is None else np.asarray(a, np.float64)
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    g = hq // hkv
+    tokens = np.asarray(tokens)
+    s = len(tokens)
+    idx = np.arange(s)
+    if positions is None:
+        positions = (np.broadcast_to(idx, kept.shape[:-1]), np.broadcast_to(idx, kept.shape))
+    x = f(params.embed)[tokens]
+    for layer, lp in enumerate(params.layers):
+        mask = np.repeat(kept[layer], g, axis=0)  # [Hq, S, S]
+        qpos = np.repeat(positions[0][layer], g, axis=0)  # [Hq, S]
+        kpos = np.repeat(positions[1][layer], g, axis=0)  # [Hq, S, S]
+        h = _rms(x, f(lp.attn_norm), config.norm_eps)
+        lin = lambda w, b, h=h: h @ f(w) + (0 if b is None else f(b))
+        q = lin(lp.wq, lp.bq).reshape(s, hq, d).transpose(1, 0, 2)  # [Hq, S, D]
+        k = np.repeat(lin(lp.wk, lp.bk).reshape(s, hkv, d), g, axis=1).transpose(1, 0, 2)
+        v = np.repeat(lin(lp.wv, lp.bv).reshape(s, hkv, d), g, axis=1)  # [S, Hq, D]
+        q = _rope_per(q, qpos, config.rope_theta)  # [Hq, S, D]
+        k = _rope_per(np.broadcast_to(k[:, None], (hq, s, s, d)), kpos, config.rope_theta)
+        logits = np.einsum("hid,hijd->hij", q, k) / np.sqrt(d)
+        logits = np.where(mask, logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = np.einsum("hij,jhd->ihd", p, v).reshape(s, hq * d)
+        x = x + o @ f(lp.wo)
+        h = _rms(x, f(lp.mlp_norm), config.norm_eps)
+        gate, up = h @ f(lp.w_gate), h @ f(lp.w_up)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ f(lp.w_down)
+    x = _rms(x, f(params.final_norm), config.norm_eps)
+    head = f(params.embed).T if params.lm_head is None else f(params.lm_head)
+    logits = (x @ head)[:-1]
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return -logp[np.arange(s - 1), tokens[1:]]
