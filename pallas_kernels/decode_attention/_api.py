@@ -140,13 +140,26 @@ def decode_attention(
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, **tiling, **knobs))
-    knobs["num_splits"] = num_splits
-    if isinstance(lowbit, ChannelMajorLowBitTier):
-        parts.append(_mgpu_lowbit(q, lowbit, q_pos, bits=bits, backend=backend, **knobs))
+    if isinstance(lowbit, ChannelMajorLowBitTier):  # checked above: a GPU backend, no logits
+        from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import (
+            decode_attention_lowbit_mgpu,
+        )
+
+        parts.append(
+            decode_attention_lowbit_mgpu(
+                q,
+                lowbit,
+                q_pos,
+                bits=bits,
+                scale=scale,
+                num_splits=num_splits,
+                interpret=interpret,
+            )  # fmt: skip
+        )
     elif lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
         paged = dict(block_k=block_k) if backend != "tpu" else {}
-        parts.append(packed(q, lowbit, q_pos, bits=bits, **paged, **knobs))
+        parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     out, lse = combine(parts)
     logits = tuple(p.logits for p in parts) if return_logits else ()
     return DecodeResult(out, lse, logits)
@@ -169,12 +182,3 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
         return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
     return triton_fn(q, tier, q_pos, block_k=block_k, **kw)
-
-
-def _mgpu_lowbit(q, tier, q_pos, *, bits, backend, return_logits, **kw):
-    """A channel-major low-bit tier (checked above: GPU backend, no logits): the Mosaic GPU
-    kernel."""
-    from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
-
-    del backend, return_logits
-    return decode_attention_lowbit_mgpu(q, tier, q_pos, bits=bits, **kw)
