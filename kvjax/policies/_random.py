@@ -11,13 +11,16 @@ import jax.numpy as jnp
 from kvjax.policies._ranked import RankedPolicy
 
 
-def hash_uniform(seed: int, layer: int, pos, shape) -> jnp.ndarray:
+def hash_uniform(seed: int, layer, pos, shape) -> jnp.ndarray:
     """Deterministic pseudo-random floats in [0, 1) from (seed, layer, KV head, position)."""
     h = jnp.arange(shape[1], dtype=jnp.uint32)[None, :, None]
     x = (
         pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
         + h * jnp.uint32(0x85EBCA77)
-        + jnp.uint32((seed * 1000003 + layer * 7919) & 0xFFFFFFFF)
+        + jnp.uint32((seed * 1000003) & 0xFFFFFFFF)
+        # layer is a Python int, or a traced int32 under a stacked write (`write_stack`): its
+        # hash term is computed in uint32 either way (a traced `& 0xFFFFFFFF` overflows int32)
+        + jnp.asarray(layer).astype(jnp.uint32) * jnp.uint32(7919)
     )
     for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
         x = (x ^ (x >> jnp.uint32(shift))) * jnp.uint32(mul)

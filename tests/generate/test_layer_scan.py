@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from policy_cases import build
+from policy_cases import NAMES, build
 
 import kvjax.generate._step as step_module
 from kvjax.cache import is_stacked, stack_cache, unstack_cache
@@ -150,7 +150,11 @@ def test_stacked_empty_cache_allocates_only_the_stack(tiny_llama):
     assert temp < stack_bytes / 4, (temp, stack_bytes)
 
 
-@pytest.mark.parametrize("case", ["confkv", "confkv-int8", "h2o", "qevict", "kvpop", "kvpop-mlp"])
+# every policy with one budget for all layers (confkv-l and pyramidkv: per-layer budgets, refused)
+STACKABLE = [n for n in NAMES if n not in ("confkv-l", "pyramidkv")]
+
+
+@pytest.mark.parametrize("case", STACKABLE)
 def test_stacked_write_equals_the_per_layer_write(case):
     """`write_stack` over two stacked layers equals `write_layers` layer by layer, through a
     prefill and decode writes; confkv's decode turns confident (tight budget) after a loose
