@@ -3,8 +3,8 @@
 `Cache.layers` is either a tuple of LayerCache (one per layer, the unrolled step) or one
 LayerCache whose every array has a leading [L] axis (a *stacked* cache). A model step over a
 stacked cache runs its layers' forward in a `lax.scan` and their writes as one `jax.vmap` over
-the stack (`kvjax.generate.write_stacked`; QEvict's as one routing cond and one pair of move
-loops for all layers), in place (`tests/policies/test_in_place.py`), and compiles its layer
+the stack (`kvjax.generate.write_stacked`; QEvict's as one routing cond and one move loop
+for all layers), in place (`tests/policies/test_in_place.py`), and compiles its layer
 once, not L times.
 """
 

@@ -146,7 +146,7 @@ def write_stacked(
 ) -> LayerCache:
     """`policy.write` into every layer of a stacked cache (the layer-scan counterpart of
     `Policy.write_layers`): `Policy.write_stack`, by default one `jax.vmap` of the write over
-    the layers (QEvict's: one routing cond and one pair of move loops for all layers), each
+    the layers (QEvict's: one routing cond and one move loop for all layers), each
     scatter writing the stacked buffers in place.
 
     Args:

@@ -183,9 +183,9 @@ class QEvictPolicy(Policy):
     def write_layers(self, layers, k_new, v_new, pos_new, valid, stats, state):
         """Every layer's write: each layer's scores and ring first, then one routing cond
         for all layers (their small arrays stacked, one ranking for every layer: the event
-        depends on positions only, so all layers route on the same steps) and one pair of
-        data-movement loops for all layers (`apply_moves`). Per layer this equals `write`;
-        the cond and the loops cost 1 and 2 device-side trip counts a step, not 1 and 2 per
+        depends on positions only, so all layers route on the same steps) and one
+        data-movement loop for all layers (`apply_moves`). Per layer this equals `write`;
+        the cond and the loop cost one device-side trip count each a step, not one each per
         layer, and the ranking compiles once rather than once per layer."""
         del state
         pres = [
@@ -199,7 +199,7 @@ class QEvictPolicy(Policy):
     def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
         """`write_layers` over a stacked cache (leading [L] axis): the per-layer parts vmapped
         over the stack (the scatters write the stacked buffers in place) and, as unrolled, one
-        routing cond and one pair of move loops for all layers (`apply_moves_stacked`)."""
+        routing cond and one move loop for all layers (`apply_moves_stacked`)."""
         del state
         lay = self.layout(layers.k.shape[-1], layers.k.dtype)
         pre = jax.vmap(
@@ -283,7 +283,7 @@ class QEvictPolicy(Policy):
     def _route_all(self, pres: list[_PreRoute]) -> list[tuple[RouteState, Any]]:
         """Every layer's routing event under one cond on small arrays: (new small arrays,
         MovePlan) per layer. The ranking (sorts) is vmapped over the stacked layers; the K/V
-        and codes move outside the cond, in place (loops of zero rounds without an event)."""
+        and codes move outside the cond, in place (a loop of zero rounds without an event)."""
         lay, win, event = pres[0].lay, pres[0].win, pres[0].event
         if any(p.lay != lay for p in pres):
             raise ValueError("QEvict's layers must share one layout (head_dim and dtype)")
@@ -312,9 +312,7 @@ class QEvictPolicy(Policy):
             lowbit=lb.replace(pos=st.page_pos, score=st.page_score, held=st.held),
             aux=QEvictAux(fp_ledger=st.fp_ledger),
         )
-        return MoveJob(
-            layer, pre.lay, plan, lb.pos, lb.score, pre.new_k, pre.new_v, pre.new_score, pre.nwin
-        )
+        return MoveJob(layer, pre.lay, plan, pre.new_k, pre.new_v)
 
 
 class _PreRoute(NamedTuple):

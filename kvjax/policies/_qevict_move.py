@@ -1,11 +1,17 @@
 """QEvict's data movement at a routing event: quantize windows at their first demotion, bring
 promoted windows back from their ledger, copy windows leaving the ring. Only the planned
 candidates are read, so an event costs the bytes it moves (see `route`), and the tiers are
-updated in place (no cond carries them)."""
+updated in place (no cond carries them).
+
+Both kinds of move run in one loop whose round body can do either: it reads `moves` source
+windows (full-precision window slots, ledger pages dequantized, or windows leaving the ring),
+quantizes them into their pages in a quantize round and writes them into their full-precision
+slots in a promote round, the other kind's writes dropped. One body is one set of kernels to
+compile instead of two (compile time follows the number of kernels).
+"""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -32,36 +38,30 @@ def put(a: Array, idx: Array, x: Array) -> Array:
     return a.at[bi, hi, idx].set(x.astype(a.dtype), mode="drop")
 
 
-def move_sizes(lay, kk: int, moves: int | None) -> tuple[int, int, int, int]:
-    """(n_q, n_fp, windows per quantize round, windows per promote round) of a layout with kk
-    windows leaving the ring per call."""
+def move_sizes(lay, kk: int, moves: int | None) -> tuple[int, int, int]:
+    """(n_q, n_fp, windows per round) of a layout with kk windows leaving the ring per call:
+    n_q candidates to quantize (full-precision windows ‖ new windows), n_fp to bring into full
+    precision (pages ‖ new windows)."""
     n_q, n_fp = lay.fp_windows + kk, lay.pages + kk
-    return n_q, n_fp, min(moves or n_q, n_q), min(moves or n_fp, n_fp)
+    return n_q, n_fp, min(moves or max(n_q, n_fp), max(n_q, n_fp))
 
 
 class MoveJob(NamedTuple):
     """One layer's share of a routing event's data movement (the inputs of `apply_moves`).
 
     Attributes:
-        layer: the layer with the event's metadata already applied (pos of windows leaving full
-            precision cleared; pages' pos/score/held set).
+        layer: the layer with the event's metadata already applied (positions, scores and
+            ledger of every slot and page).
         lay: its Layout (static).
         plan: the MovePlan.
-        old_page_pos, old_page_score: pages' pos [B, H, P, ω] and score [B, H, P] before the
-            event (a promoted page's positions and score move with it).
-        new_k, new_v: [B, H, K, ω, D] the windows leaving the ring; new_score [B, H, K, ω].
-        nwin: [B, H, K] their window ids.
+        new_k, new_v: [B, H, K, ω, D] the windows leaving the ring.
     """
 
     layer: Any
     lay: Any
     plan: Any
-    old_page_pos: Array
-    old_page_score: Array
     new_k: Array
     new_v: Array
-    new_score: Array
-    nwin: Array
 
 
 def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...]:
@@ -70,174 +70,118 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     precision (promoted pages dequantized from their ledger, or windows leaving the ring) into
     their slots.
 
-    Runs outside any cond, as two loops shared by all layers: the quantize rounds, then the
-    promote rounds, each of `moves` windows per layer; a layer whose plan has fewer rounds than
-    the most of any layer drops its writes in the extra rounds. A loop whose trip count is known
-    only on the device costs a device-to-host sync per iteration on GPU (~22 µs on the H200,
-    `scripts/policy_step_probe.py`), so one pair of loops per step, not per layer. Without an
-    event both loops take zero rounds. Quantizing finishes before anything is written to full
-    precision (a demoted window's slot may receive a promoted one).
+    One loop shared by all layers: the quantize rounds, then the promote rounds, each of
+    `moves` windows per layer; a layer with fewer windows to move than the busiest drops its
+    writes in the extra rounds. A loop whose trip count is known only on the device costs a
+    device-to-host sync per iteration on GPU (~22 µs on the H200,
+    `scripts/policy_step_probe.py`), so one loop per step, not per layer. Without an event it
+    takes zero rounds. Every quantize round runs before any promote round (a demoted window's
+    slot may receive a promoted one).
 
     Args:
         jobs: one MoveJob per layer.
         moves: windows per round (the plans'; None: all candidates in one round).
 
     Returns:
-        The layers with codes, K/V, positions and scores moved.
+        The layers with codes and K/V moved.
     """
-    rounds_q = functools.reduce(jnp.maximum, [j.plan.rounds_q for j in jobs])
-    rounds_fp = functools.reduce(jnp.maximum, [j.plan.rounds_fp for j in jobs])
-    lbs = jax.lax.fori_loop(
-        0,
-        rounds_q,
-        lambda r, lbs: tuple(
-            _quantize_round(j, r, lb, moves) for j, lb in zip(jobs, lbs, strict=True)
-        ),
-        tuple(j.layer.lowbit for j in jobs),
-    )
-    # Every quantizing read of full precision is done before the writes below.
-    lbs, kvs = jax.lax.optimization_barrier((lbs, tuple((j.layer.k, j.layer.v) for j in jobs)))
-    promote = [_promoter(j, lb, moves) for j, lb in zip(jobs, lbs, strict=True)]
-    outs = jax.lax.fori_loop(
-        0,
-        rounds_fp,
-        lambda r, cs: tuple(f(r, c) for f, c in zip(promote, cs, strict=True)),
-        tuple((k, v, j.layer.pos, j.layer.score) for j, (k, v) in zip(jobs, kvs, strict=True)),
-    )
+    rounds_q = jnp.max(jnp.stack([j.plan.rounds_q for j in jobs]))
+    rounds_fp = jnp.max(jnp.stack([j.plan.rounds_fp for j in jobs]))
+    slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
+
+    def body(r, carry):
+        return tuple(
+            _move_round(j, c, r, rounds_q, moves) for j, c in zip(slim, carry, strict=True)
+        )
+
+    init = tuple((j.layer.k, j.layer.v, j.layer.lowbit) for j in jobs)
+    out = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, init)
     return tuple(
-        j.layer.replace(k=k, v=v, pos=pos, score=score, lowbit=lb)
-        for j, lb, (k, v, pos, score) in zip(jobs, lbs, outs, strict=True)
+        j.layer.replace(k=k, v=v, lowbit=lb) for j, (k, v, lb) in zip(jobs, out, strict=True)
     )
 
 
 def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
     """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
-    [L] axis on each array (`lay`, static, given apart). The same two loops, each round one
+    [L] axis on each array (`lay`, static, given apart). The same loop, each round one
     `jax.vmap` over the layers, so the scatters write the stacked buffers in place and the
-    trip counts are the most rounds of any layer (a layer past its rounds drops its writes).
+    trip count is the most rounds of any layer.
 
     Returns:
-        The stacked layers with codes, K/V, positions and scores moved.
+        The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    # Each loop sees only what it reads: the quantize rounds the full-precision K/V (not
-    # written there), the promote rounds only the shapes of the arrays they carry.
-    fixed = job._replace(layer=layer.replace(lowbit=None))
-    with_lay = lambda j: j._replace(lay=lay)
-    quantize = jax.vmap(
-        lambda j, lb, r: _quantize_round(with_lay(j), r, lb, moves), in_axes=(0, 0, None)
-    )
-    lb = jax.lax.fori_loop(
-        0, jnp.max(job.plan.rounds_q), lambda r, lb: quantize(fixed, lb, r), layer.lowbit
-    )
-    lb, (k, v) = jax.lax.optimization_barrier((lb, (layer.k, layer.v)))
-
-    def promote_one(j, lb, carry, r):
-        j = with_lay(j._replace(layer=j.layer.replace(k=carry[0], v=carry[1], pos=carry[2])))
-        return _promoter(j, lb, moves)(r, carry)
-
-    promote = jax.vmap(promote_one, in_axes=(0, 0, 0, None))
-    slim = job._replace(layer=layer.replace(k=None, v=None, pos=None, score=None, lowbit=None))
-    k, v, pos, score = jax.lax.fori_loop(
-        0,
-        jnp.max(job.plan.rounds_fp),
-        lambda r, c: promote(slim, lb, c, r),
-        (k, v, layer.pos, layer.score),
-    )
-    return layer.replace(k=k, v=v, pos=pos, score=score, lowbit=lb)
+    rounds_q, rounds_fp = jnp.max(job.plan.rounds_q), jnp.max(job.plan.rounds_fp)
+    slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
+    one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
+    body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)
+    k, v, lb = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, (layer.k, layer.v, layer.lowbit))
+    return layer.replace(k=k, v=v, lowbit=lb)
 
 
-def _pick(resident, new, idx, n_res):
-    """Entry idx [B, H, n] of (resident ‖ new): resident is a function of indices in
-    [0, n_res), new is [B, H, K, ...]."""
-    kk = new.shape[2]
-    nw = jnp.take_along_axis(new, _expand(jnp.clip(idx - n_res, 0, kk - 1), new), axis=2)
-    if n_res == 0:
-        return nw
-    r = resident(jnp.clip(idx, 0, n_res - 1))
-    return jnp.where(_expand(idx < n_res, r), r, nw.astype(r.dtype))
+def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | None):
+    """Round r of one layer's moves, (k, v, lowbit) -> same: rounds below `rounds_q` quantize
+    their windows into pages, the later ones write theirs to full-precision slots.
 
-
-def _quantize_round(job: MoveJob, r: Array, lb, moves: int | None):
-    """Round r of the first demotions: quantize once, into the allocated page (a no-op once r
-    reaches this layer's rounds)."""
+    The plan's entry i of this round reads candidate `src` (a full-precision window slot f,
+    page F + p or new window F + P + k) and writes it to `dst` (a page, or a window slot);
+    entries with nothing to move have an out-of-range `dst`, so their writes are dropped.
+    """
+    k, v, lb = carry
     layer, lay, plan = job.layer, job.lay, job.plan
     b, h = layer.pos.shape[:2]
-    w, base, d = lay.window, lay.fp_base, layer.k.shape[-1]
-    _, _, mq, _ = move_sizes(lay, job.new_k.shape[2], moves)
+    w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
+    n_q, _, m = move_sizes(lay, job.new_k.shape[2], moves)
+    quantize = r < rounds_q
+    start = jnp.where(quantize, r * m, _round_up(n_q, m) + (r - rounds_q) * m)
+    src = jax.lax.dynamic_slice_in_dim(plan.src, start, m, axis=2)  # [B, H, m]
+    dst = jax.lax.dynamic_slice_in_dim(plan.dst, start, m, axis=2)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
 
-    def fp_window(a):
-        def get(i):  # [B, H, n] window slots -> [B, H, n, ω, ...]
-            t = (base + i[..., None] * w + tok).reshape(b, h, -1)
-            out = jnp.take_along_axis(a, _expand(t, a), axis=2)
-            return out.reshape(b, h, i.shape[-1], w, *a.shape[3:])
+    def window(a, new, deq):
+        """The source windows [B, H, m, ω, D] of one of K or V."""
+        x = _take_new(new, src - f - npg)
+        page = jnp.clip(src - f, 0, npg - 1)
+        x = jnp.where((src < f + npg)[..., None, None], deq(page).astype(x.dtype), x)
+        if f == 0:
+            return x
+        t = (base + jnp.clip(src, 0, f - 1)[..., None] * w + tok).reshape(b, h, m * w)
+        fp = jnp.take_along_axis(a, t[..., None], axis=2).reshape(x.shape)
+        return jnp.where((src < f)[..., None, None], fp, x)
 
-        return get
-
-    sq = jax.lax.dynamic_slice_in_dim(plan.order_q, r * mq, mq, axis=2)
-    src_k = _pick(fp_window(layer.k), job.new_k, sq, lay.fp_windows)
-    src_v = _pick(fp_window(layer.v), job.new_v, sq, lay.fp_windows)
-    dst = jnp.take_along_axis(plan.page_dst, sq, axis=-1)
-    dst = jnp.where(r < plan.rounds_q, dst, lb.pos.shape[2])  # past its rounds: dropped
-    kc, ks, kz = quantize_per_channel(src_k, lb.bits)
-    vc, vs, vz = quantize_per_token(src_v, lb.bits, d // lb.v_scale.shape[-1])
-    return lb.replace(
-        k=put(lb.k, dst, pack(kc, lb.bits)),
-        v=put(lb.v, dst, pack(vc, lb.bits)),
-        k_scale=put(lb.k_scale, dst, ks),
-        k_zero=put(lb.k_zero, dst, kz),
-        v_scale=put(lb.v_scale, dst, vs),
-        v_zero=put(lb.v_zero, dst, vz),
-    )
-
-
-def _promoter(job: MoveJob, lb, moves: int | None):
-    """The promote round of one layer, (r, (k, v, pos, score)) -> same: promoted pages
-    dequantized from their ledger (`lb`, after quantizing), or new windows, written to their
-    full-precision slots (a no-op once r reaches this layer's rounds)."""
-    layer, lay, plan = job.layer, job.lay, job.plan
-    b, h = layer.pos.shape[:2]
-    w, f, base = lay.window, lay.fp_windows, lay.fp_base
-    _, _, _, mf = move_sizes(lay, job.new_k.shape[2], moves)
-    tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    # (A promoted page is held, so the quantize rounds never wrote it.)
-    npg = lb.pos.shape[2]
-    page = lambda a: lambda i: jnp.take_along_axis(a, _expand(i, a), axis=2)
+    at = lambda a, i: jnp.take_along_axis(a, i.reshape(i.shape + (1,) * (a.ndim - 3)), axis=2)
     deq_k = lambda i: dequantize_per_channel(
-        unpack(page(lb.k)(i), lb.bits), page(lb.k_scale)(i), page(lb.k_zero)(i), layer.k.dtype
+        unpack(at(lb.k, i), lb.bits), at(lb.k_scale, i), at(lb.k_zero, i), k.dtype
     )
     deq_v = lambda i: dequantize_per_token(
-        unpack(page(lb.v)(i), lb.bits), page(lb.v_scale)(i), page(lb.v_zero)(i), layer.v.dtype
+        unpack(at(lb.v, i), lb.bits), at(lb.v_scale, i), at(lb.v_zero, i), v.dtype
     )
-    first = (tok == 0).astype(jnp.float32)
-    new_pos = lay.sinks + job.nwin[..., None] * w + tok
-
-    def promote_round(r, carry):
-        k, v, pos, score = carry
-        sf = jax.lax.dynamic_slice_in_dim(plan.order_fp, r * mf, mf, axis=2)
-        in_k = _pick(deq_k, job.new_k, sf, npg)
-        in_v = _pick(deq_v, job.new_v, sf, npg)
-        in_score = _pick(
-            lambda i: page(job.old_page_score)(i)[..., None] * first, job.new_score, sf, npg
-        )
-        in_pos = _pick(page(job.old_page_pos), new_pos, sf, npg)
-        dst = jnp.take_along_axis(plan.fp_dst, sf, axis=-1)
-        live = (dst < f) & (r < plan.rounds_fp)  # past its rounds: dropped
-        slot = jnp.where(live[..., None], base + dst[..., None] * w + tok, layer.capacity)
-        slot = slot.reshape(b, h, -1)  # [B, H, m·ω] token slots
-        flat = lambda x: x.reshape(b, h, slot.shape[-1], *x.shape[4:])
-        return (
-            put(k, slot, flat(in_k)),
-            put(v, slot, flat(in_v)),
-            put(pos, slot, flat(in_pos)),
-            put(score, slot, flat(in_score)),
-        )
-
-    return promote_round
+    x_k, x_v = window(k, job.new_k, deq_k), window(v, job.new_v, deq_v)
+    # Quantize rounds: into the allocated pages (a promoted page is held, never written here).
+    page = jnp.where(quantize, dst, npg)
+    kc, ks, kz = quantize_per_channel(x_k, lb.bits)
+    vc, vs, vz = quantize_per_token(x_v, lb.bits, k.shape[-1] // lb.v_scale.shape[-1])
+    lb = lb.replace(
+        k=put(lb.k, page, pack(kc, lb.bits)),
+        v=put(lb.v, page, pack(vc, lb.bits)),
+        k_scale=put(lb.k_scale, page, ks),
+        k_zero=put(lb.k_zero, page, kz),
+        v_scale=put(lb.v_scale, page, vs),
+        v_zero=put(lb.v_zero, page, vz),
+    )
+    # Promote rounds: into the window slots (their positions and scores are the event's).
+    live = ~quantize & (dst < f)
+    slot = jnp.where(live[..., None], base + dst[..., None] * w + tok, layer.capacity)
+    slot = slot.reshape(b, h, m * w)
+    flat = lambda x: x.reshape(b, h, m * w, x.shape[-1])
+    return put(k, slot, flat(x_k)), put(v, slot, flat(x_v)), lb
 
 
-def _expand(idx: Array, like: Array) -> Array:
-    """idx [B, H, n] (or [B, H, n·ω]) reshaped to broadcast against `like` along axis 2."""
-    extra = like.ndim - idx.ndim
-    return idx.reshape(idx.shape + (1,) * extra) if extra > 0 else idx
+def _take_new(new: Array, i: Array) -> Array:
+    """Windows i [B, H, m] (clipped) of the K leaving the ring, new [B, H, K, ω, D]."""
+    i = jnp.clip(i, 0, new.shape[2] - 1)
+    return jnp.take_along_axis(new, i[..., None, None], axis=2)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m

@@ -10,7 +10,7 @@ Layout of one layer (per batch row and KV head):
 
 The ranking runs under `lax.cond` on routing events only (every ω decode steps) and touches only
 small per-slot arrays; the K/V and code movement it plans runs outside the cond
-(`_qevict_move.apply_moves`), as loops that take zero rounds on steps without an event.
+(`_qevict_move.apply_moves`), as one loop that takes zero rounds on steps without an event.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.policies._qevict_move import move_sizes, put
+from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, first_free, true_first
 
 Array = jax.Array
-
-FP, INT, EVICTED = 1, 2, 0  # tiers of a routed window (0 also marks "no window")
 
 
 @struct.dataclass
@@ -77,57 +76,6 @@ class Layout:
         return self.sinks + self.ring + self.fp_windows * self.window
 
 
-def _take(x: Array, idx: Array) -> Array:
-    return jnp.take_along_axis(x, idx, axis=-1)
-
-
-def assign_tiers(win: Array, score: Array, has_ledger: Array, lay: Layout) -> Array:
-    """Tier of every candidate window, by rank (score, then newer window first).
-
-    The k best windows are full precision for the largest k with
-    cost_fp(k) + min(q·M_r, b_q·(n − k)) <= M_r, where a window's full-precision cost is
-    b_fp plus b_q if it keeps a dormant ledger entry; the next windows go to the low-bit tier
-    while their pages fit in the bytes left; the rest are evicted. Under pressure this is the
-    paper's split (⌊(1−q)M/b_fp⌋ full-precision windows); with room to spare every window stays
-    full precision.
-
-    Args:
-        win: [B, H, N] int32 window ids (-1 = no candidate).
-        score: [B, H, N] float32 cumulative attention mass.
-        has_ledger: [B, H, N] bool, the window already has low-bit codes.
-        lay: the layer's layout.
-
-    Returns:
-        [B, H, N] int32 in {EVICTED, FP, INT}.
-    """
-    n = win.shape[-1]
-    valid = win >= 0
-    o1 = jnp.argsort(-win, axis=-1, stable=True)
-    o2 = jnp.argsort(-_take(jnp.where(valid, score, -jnp.inf), o1), axis=-1, stable=True)
-    order = _take(o1, o2)
-    v_s = _take(valid, order)
-    led_s = _take(has_ledger, order).astype(jnp.int32)
-    cost = jnp.where(v_s, lay.fp_window_bytes + led_s * lay.page_bytes, 0)
-    cum = jnp.cumsum(cost, axis=-1)
-    k = jnp.arange(1, n + 1, dtype=jnp.int32).reshape((1,) * (win.ndim - 1) + (n,))
-    rest = jnp.sum(v_s, axis=-1, keepdims=True, dtype=jnp.int32) - k
-    reserve = jnp.minimum(lay.quant_bytes, lay.page_bytes * rest)
-    fp_s = v_s & (cum + reserve <= lay.budget_bytes) & (k <= lay.fp_windows)
-    left = lay.budget_bytes - jnp.sum(jnp.where(fp_s, cost, 0), axis=-1, keepdims=True)
-    j = jnp.cumsum(v_s & ~fp_s, axis=-1, dtype=jnp.int32)
-    q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
-    tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
-    return _take(tier_s, jnp.argsort(order, axis=-1))
-
-
-def _allocate(need: Array, free: Array, size: int) -> Array:
-    """Destination of each needing entry [B, H, N]: the free slots [B, H, size] in index order
-    (size = drop). The caller guarantees enough free slots."""
-    free_idx = jnp.argsort(~free, axis=-1, stable=True)
-    r = jnp.clip(jnp.cumsum(need, axis=-1) - 1, 0, size - 1)
-    return jnp.where(need, _take(free_idx, r), size) if size else jnp.full_like(r, size)
-
-
 class RouteState(NamedTuple):
     """The small per-slot arrays a routing event reads and rewrites (never K/V or codes: a
     `lax.cond` that carried those would make XLA copy them every decode step).
@@ -150,22 +98,20 @@ class RouteState(NamedTuple):
 
 
 class MovePlan(NamedTuple):
-    """The data a routing event moves, as index lists processed `moves` windows per round.
+    """The windows a routing event moves, as one list processed `moves` entries per round:
+    first the windows to quantize, then the windows entering full precision.
 
     Attributes:
-        order_q: [B, H, Lq] candidates (full-precision windows ‖ new windows) to quantize,
-            the needed ones first, padded with the sentinel index n_q.
-        page_dst: [B, H, n_q + 1] their destination pages (pages = dropped; the last entry is
-            the sentinel's).
-        order_fp: [B, H, Lf] candidates (pages ‖ new windows) entering full precision.
-        fp_dst: [B, H, n_fp + 1] their destination window slots (fp_windows = dropped).
+        src: [B, H, Lq + Lf] int32 the candidate each entry reads: a full-precision window
+            slot f in [0, F), a page F + p, or a window leaving the ring F + P + k. Entries
+            [0, Lq) are quantize moves (the needed ones first), [Lq, Lq + Lf) promote moves.
+        dst: [B, H, Lq + Lf] int32 where each entry goes: a page (quantize; P = nowhere) or a
+            full-precision window slot (promote; F = nowhere).
         rounds_q, rounds_fp: [] int32 rounds of each kind (0 when nothing moves).
     """
 
-    order_q: Array
-    page_dst: Array
-    order_fp: Array
-    fp_dst: Array
+    src: Array
+    dst: Array
     rounds_q: Array
     rounds_fp: Array
 
@@ -175,18 +121,12 @@ def _round_up(n: int, m: int) -> int:
 
 
 def empty_plan(b: int, h: int, lay: Layout, kk: int, moves: int | None) -> MovePlan:
-    """The plan of a step without a routing event: nothing moves."""
-    n_q, n_fp, mq, mf = move_sizes(lay, kk, moves)
-    full = lambda n, v: jnp.full((b, h, n), v, jnp.int32)
+    """The plan of a step without a routing event: nothing moves (zero rounds: the lists are
+    never read)."""
+    n_q, n_fp, m = move_sizes(lay, kk, moves)
     zero = jnp.zeros((), jnp.int32)
-    return MovePlan(
-        order_q=full(_round_up(n_q, mq), n_q),
-        page_dst=full(n_q + 1, lay.pages),
-        order_fp=full(_round_up(n_fp, mf), n_fp),
-        fp_dst=full(n_fp + 1, lay.fp_windows),
-        rounds_q=zero,
-        rounds_fp=zero,
-    )
+    lists = jnp.zeros((b, h, _round_up(n_q, m) + _round_up(n_fp, m)), jnp.int32)
+    return MovePlan(src=lists, dst=lists, rounds_q=zero, rounds_fp=zero)
 
 
 def route(
@@ -212,8 +152,9 @@ def route(
             busiest head needs.
 
     Returns:
-        The new small arrays (full-precision positions of windows leaving full precision
-        cleared; those entering it are written by `apply_moves`) and the move plan.
+        The new small arrays (positions, scores and ledger of every window slot and page,
+        those of windows entering full precision included) and the move plan (`apply_moves`
+        moves their K/V and codes).
     """
     b, h = st.pos.shape[:2]
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
@@ -242,55 +183,105 @@ def route(
     # Page bookkeeping: a dormant page follows the window of the full-precision slot linking it.
     stay_fp = (fp_win >= 0) & (t_fp == FP)
     promote = active & (t_pg == FP)
-    link = jnp.full((b, h, npg), EVICTED, jnp.int32)
-    link = put(link, jnp.where(led >= 0, led, npg), jnp.where(fp_win >= 0, t_fp, EVICTED))
-    held = (active & (t_pg != EVICTED)) | (link != EVICTED)
+    linked = (led >= 0) & (fp_win >= 0) & (t_fp != EVICTED)
+    link = put(jnp.zeros((b, h, npg), bool), jnp.where(linked, led, npg), linked)
+    held = (active & (t_pg != EVICTED)) | link
     # Windows quantized now (first demotion): full-precision slots without a ledger, new windows.
     need_q = jnp.concatenate([(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT], -1)
-    page_dst = _allocate(need_q, ~held, npg)  # [B, H, F + K]
     # Windows entering full precision: promoted pages (from their ledger), new windows.
     need_fp = jnp.concatenate([promote, t_new == FP], -1)
-    fp_dst = _allocate(need_fp, ~stay_fp, f)  # [B, H, P + K]
-
-    # Only windows that change storage are read, `moves` of each kind per round.
-    n_q, n_fp, mq, mf = move_sizes(lay, kk, moves)
-
-    def order(need, n, m):
-        idx = jnp.argsort(~need, axis=-1, stable=True).astype(jnp.int32)  # needed first
-        pad = jnp.full((b, h, _round_up(n, m) - n), n, jnp.int32)
-        rounds = -(-jnp.max(jnp.sum(need, axis=-1, dtype=jnp.int32)) // m)
-        return jnp.concatenate([idx, pad], axis=-1), rounds
-
-    order_q, rounds_q = order(need_q, n_q, mq)
-    order_fp, rounds_fp = order(need_fp, n_fp, mf)
-    sentinel = lambda dst, size: jnp.concatenate([dst, jnp.full((b, h, 1), size, dst.dtype)], -1)
+    # Each list needed-first, and the free pages and slots in index order: the i-th needed
+    # window goes to the i-th free page (slot). Only windows that change storage are read,
+    # `moves` of each kind per round.
+    order_q, order_fp, free_pg, free_fp = true_first([need_q, need_fp, ~held, ~stay_fp])
+    n_q, n_fp, m = move_sizes(lay, kk, moves)
+    count_q = jnp.sum(need_q, axis=-1, dtype=jnp.int32)
+    count_fp = jnp.sum(need_fp, axis=-1, dtype=jnp.int32)
+    page_dst = first_free(free_pg, count_q, n_q, npg)  # [B, H, F + K]
+    fp_dst = first_free(free_fp, count_fp, n_fp, f)  # [B, H, P + K]
+    padded = lambda x, n, fill: jnp.concatenate(
+        [x, jnp.full((b, h, _round_up(n, m) - n), fill, jnp.int32)], -1
+    )
+    rounds = lambda count: -(-jnp.max(count) // m)
     plan = MovePlan(
-        order_q=order_q,
-        page_dst=sentinel(page_dst, npg).astype(jnp.int32),
-        order_fp=order_fp,
-        fp_dst=sentinel(fp_dst, f).astype(jnp.int32),
-        rounds_q=rounds_q,
-        rounds_fp=rounds_fp,
+        # Candidates numbered for the move loop: window slots, then pages, then new windows.
+        src=jnp.concatenate(
+            [
+                padded(jnp.where(order_q < f, order_q, order_q + npg), n_q, 0),
+                padded(order_fp + f, n_fp, 0),
+            ],
+            -1,
+        ),  # fmt: skip
+        dst=jnp.concatenate([padded(page_dst, n_q, npg), padded(fp_dst, n_fp, f)], -1),
+        rounds_q=rounds(count_q),
+        rounds_fp=rounds(count_fp),
     )
 
-    # Metadata of every page and slot (small arrays).
-    keep_pos = jnp.where(stay_fp[..., None], fp_pos, -1).reshape(b, h, f * w)
-    all_pos = jax.lax.dynamic_update_slice_in_dim(st.pos, keep_pos, base, axis=2)
-    pos = jnp.where((held & ~promote)[..., None], st.page_pos, -1)
-    pos = put(pos, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_pos)
-    pg_score = put(st.page_score, jnp.where((t_fp == INT) & (led >= 0), led, npg), fp_score)
+    # Metadata of every page and slot (small arrays), each kind by one scatter. A page's row
+    # (positions, score, held): windows demoted back onto their dormant ledger page, and
+    # windows quantized now onto their new page (disjoint: one is held, the other free). A
+    # window slot's row (positions, scores, ledger page): windows entering full precision.
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    src_pos = jnp.concatenate([fp_pos, lay.sinks + nwin[..., None] * w + tok], axis=2)
-    src_score = jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    fp_led = jnp.where(stay_fp, led, -1)
-    everything = jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (b, h, npg))
-    src_led = jnp.concatenate([everything, jnp.full((b, h, kk), -1, jnp.int32)], -1)
+    new_pos = lay.sinks + nwin[..., None] * w + tok  # [B, H, K, ω]
+    src_rows = jnp.concatenate(  # [B, H, F + K, ω + 2] quantized windows
+        [
+            jnp.concatenate([fp_pos, new_pos], axis=2),
+            bits(jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], -1))[..., None],
+            jnp.ones((b, h, f + kk, 1), jnp.int32),
+        ],
+        -1,
+    )
+    pg_rows = jnp.concatenate(
+        [
+            jnp.where((held & ~promote)[..., None], st.page_pos, -1),
+            bits(st.page_score)[..., None],
+            held[..., None].astype(jnp.int32),
+        ],
+        -1,
+    )
+    pg_rows = put(
+        pg_rows,
+        jnp.concatenate([jnp.where((t_fp == INT) & (led >= 0), led, npg), page_dst], -1),
+        jnp.concatenate([src_rows[:, :, :f], _take(src_rows, order_q)], 2),
+    )
+    first = jnp.where(tok == 0, st.page_score[..., None], 0.0)  # a page's score on its first token
+    in_rows = jnp.concatenate(  # [B, H, P + K, 2ω + 1] windows entering full precision
+        [
+            jnp.concatenate([st.page_pos, new_pos], axis=2),
+            bits(jnp.concatenate([first, new_score], axis=2)),
+            jnp.concatenate(  # a promoted page stays its window's (dormant) ledger entry
+                [
+                    jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (b, h, npg)),
+                    jnp.full((b, h, kk), -1, jnp.int32),
+                ],
+                -1,
+            )[..., None],  # fmt: skip
+        ],
+        -1,
+    )
+    fp_rows = jnp.concatenate(
+        [
+            jnp.where(stay_fp[..., None], fp_pos, -1),
+            bits(st.score[:, :, base:].reshape(b, h, f, w)),
+            jnp.where(stay_fp, led, -1)[..., None],
+        ],
+        -1,
+    )
+    if f:  # (no window slots: nothing enters full precision)
+        fp_rows = put(fp_rows, fp_dst, _take(in_rows, order_fp))
+    region = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.reshape(b, h, f * w), base, 2)
     new = RouteState(
-        pos=all_pos,
-        score=st.score,
-        page_pos=put(pos, page_dst, src_pos),
-        page_score=put(pg_score, page_dst, src_score),
-        held=put(held, page_dst, jnp.ones(page_dst.shape, bool)),
-        fp_ledger=put(fp_led, fp_dst, src_led),
+        pos=region(st.pos, fp_rows[..., :w]),
+        score=region(st.score, jax.lax.bitcast_convert_type(fp_rows[..., w : 2 * w], jnp.float32)),
+        page_pos=pg_rows[..., :w],
+        page_score=jax.lax.bitcast_convert_type(pg_rows[..., w], jnp.float32),
+        held=pg_rows[..., w + 1] != 0,
+        fp_ledger=fp_rows[..., 2 * w],
     )
     return new, plan
+
+
+def _take(rows: Array, idx: Array) -> Array:
+    """rows [B, H, N, X] at idx [B, H, n] -> [B, H, n, X]."""
+    return jnp.take_along_axis(rows, idx[..., None], axis=2)

@@ -1,0 +1,88 @@
+"""QEvict's ranking at a routing event, on small per-candidate arrays: the tier of every
+candidate window by rank under the byte budget, and the stable partitions that turn tiers into
+move lists (`_qevict_route.route`).
+
+Compile time on the CPU follows the number of distinct kernels, and every sort, cumsum and
+scatter is one or more: the rank is one two-key sort, the tiers go back to candidate order by a
+second, and all the partitions an event needs come from a third (docs/decisions.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+FP, INT, EVICTED = 1, 2, 0  # tiers of a routed window (0 also marks "no window")
+
+
+def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
+    """Tier of every candidate window, by rank (score, then newer window first).
+
+    The k best windows are full precision for the largest k with
+    cost_fp(k) + min(q·M_r, b_q·(n − k)) <= M_r, where a window's full-precision cost is
+    b_fp plus b_q if it keeps a dormant ledger entry; the next windows go to the low-bit tier
+    while their pages fit in the bytes left; the rest are evicted. Under pressure this is the
+    paper's split (⌊(1−q)M/b_fp⌋ full-precision windows); with room to spare every window stays
+    full precision.
+
+    Two sorts: one two-key sort (score descending, then window id descending, then index: what
+    two stable argsorts gave) that carries the flags the budget reads, and one that puts the
+    tiers back in candidate order.
+
+    Args:
+        win: [B, H, N] int32 window ids (-1 = no candidate).
+        score: [B, H, N] float32 cumulative attention mass.
+        has_ledger: [B, H, N] bool, the window already has low-bit codes.
+        lay: the layer's layout (`_qevict_route.Layout`).
+
+    Returns:
+        [B, H, N] int32 in {EVICTED, FP, INT}.
+    """
+    valid = win >= 0
+    idx = jax.lax.broadcasted_iota(jnp.int32, win.shape, win.ndim - 1)
+    key = -jnp.where(valid, score, -jnp.inf)
+    *_, order, v_s, led_s = jax.lax.sort(
+        (key, -win, idx, valid, has_ledger.astype(jnp.int32)), num_keys=2, is_stable=True
+    )
+    cost = jnp.where(v_s, lay.fp_window_bytes + led_s * lay.page_bytes, 0)
+    cum = jnp.cumsum(cost, axis=-1)
+    k = idx + 1
+    rest = jnp.sum(v_s, axis=-1, keepdims=True, dtype=jnp.int32) - k
+    reserve = jnp.minimum(lay.quant_bytes, lay.page_bytes * rest)
+    fp_s = v_s & (cum + reserve <= lay.budget_bytes) & (k <= lay.fp_windows)
+    left = lay.budget_bytes - jnp.sum(jnp.where(fp_s, cost, 0), axis=-1, keepdims=True)
+    j = jnp.cumsum(v_s & ~fp_s, axis=-1, dtype=jnp.int32)
+    q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
+    tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
+    return jax.lax.sort((order, tier_s), num_keys=1)[1]
+
+
+def true_first(flags: list[Array]) -> list[Array]:
+    """Stable partitions of several flag arrays at once: for each [B, H, n_i] bool array, its
+    indices [B, H, n_i] int32 with the True entries first, each part in index order (what
+    `argsort(~flag, stable=True)` gives), from one sort of all of them end to end."""
+    sizes = [f.shape[-1] for f in flags]
+    lead = flags[0].shape[:-1]
+    seg = np.concatenate([np.full(n, 2 * i, np.int32) for i, n in enumerate(sizes)])
+    local = np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])
+    key = jnp.asarray(seg).reshape((1,) * len(lead) + seg.shape) + jnp.concatenate(
+        [~f for f in flags], axis=-1
+    ).astype(jnp.int32)
+    local = jnp.broadcast_to(jnp.asarray(local), (*lead, local.size))
+    _, idx = jax.lax.sort((key, local), num_keys=1, is_stable=True)
+    return jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+
+
+def first_free(free_first: Array, count: Array, n: int, size: int) -> Array:
+    """Destinations [B, H, n] of the first `count` [B, H] entries of a needed-first list: the
+    free slots in index order (`free_first`, free ones first), `size` (dropped) after them.
+    The caller guarantees enough free slots."""
+    have = free_first.shape[-1]
+    if have < n:
+        pad = jnp.full((*free_first.shape[:-1], n - have), size, free_first.dtype)
+        free_first = jnp.concatenate([free_first, pad], axis=-1)
+    r = jnp.arange(n, dtype=jnp.int32).reshape((1,) * count.ndim + (n,))
+    return jnp.where(r < count[..., None], free_first[..., :n], size).astype(jnp.int32)
