@@ -248,8 +248,14 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     # cell, so a run cut by its time limit keeps every finished cell. TASKS, LENGTHS, RATIOS,
     # SAMPLES as `kvjax ruler` takes them.
     # A call returns only a few files: everything goes into one archive (also when cut).
+    # XLA_FLAGS default: cuBLAS for every dot and no autotuning. With XLA's Triton GEMMs and
+    # their autotuning, 16 groups at once spent 500-520 s before their first sample (every
+    # process compiling and autotuning the same dots on the shared GPU); without, each group
+    # finished 60 samples in 2 minutes, with the same scores (docs/lab/2026-12-03-h200-ruler.md).
+    # Set XLA_FLAGS (even empty) to override.
     reassemble_gguf
     export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    export XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
     FINAL=$OUT
     OUT=/tmp/ruler && rm -rf "$OUT" && mkdir -p "$OUT"
     i=0

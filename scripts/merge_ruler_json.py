@@ -1,0 +1,89 @@
+"""One leaderboard from several `kvjax ruler` outputs (groups run as separate processes, runs cut
+by a time limit): `python scripts/merge_ruler_json.py OUT.png TASKS RULER.json [...]`.
+
+TASKS is a comma-separated list of the tasks averaged into each cell (e.g.
+`niah_single_1,niah_multikey_1,niah_multivalue`). A cell is (policy, length, ratio); it shows the
+mean score over TASKS only when every one of them finished there, else `—` (a cut run leaves
+cells half done). A cell found in two files must agree, or the merge stops. Prints a Markdown
+table (rows: policies; columns: length × ratio) and writes a score-vs-ratio plot per length
+(OUT_LENGTH.png)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from kvjax.eval._ruler import RulerRow, write_ruler_outputs
+
+
+def read(paths: list[str]) -> list[RulerRow]:
+    fields = {f.name for f in dataclasses.fields(RulerRow)}
+    found: dict[tuple, RulerRow] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: {path}: not a readable ruler JSON ({e})") from None
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and fields <= r.keys() for r in rows
+        ):
+            raise SystemExit(f"error: {path}: expected {{'rows': [...]}} with {sorted(fields)}")
+        for r in rows:
+            row = RulerRow(**{k: r[k] for k in fields})
+            key = (row.policy, row.length, row.ratio, row.task)
+            if key in found and found[key].score != row.score:
+                raise SystemExit(
+                    f"error: {path}: {key} scores {row.score}, another file {found[key].score}"
+                )
+            found[key] = row
+    return list(found.values())
+
+
+def cells(rows: list[RulerRow], tasks: list[str]) -> dict[tuple, float]:
+    """(policy, length, ratio) -> mean score over `tasks`, for the cells where all finished."""
+    by_cell: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_cell.setdefault((r.policy, r.length, r.ratio), {})[r.task] = r.score
+    return {
+        k: round(float(np.mean([v[t] for t in tasks])), 1)
+        for k, v in by_cell.items()
+        if all(t in v for t in tasks)
+    }
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3:
+        raise SystemExit(__doc__)
+    png, tasks, paths = argv[0], argv[1].split(","), argv[2:]
+    rows = [r for r in read(paths) if r.task in tasks]
+    table = cells(rows, tasks)
+    columns = sorted({(length, ratio) for _, length, ratio in table if ratio > 0})
+    policies = sorted({p for p, _, _ in table}, key=lambda p: (p != "full", p))
+    head = [f"{length // 1024}K {ratio:.1%}".replace(".0%", "%") for length, ratio in columns]
+    print("| policy | " + " | ".join(head) + " |")
+    print("|---" * (len(head) + 1) + "|")
+    for p in policies:
+        if p == "full":
+            vals = [table.get(("full", length, 0.0)) for length, _ in columns]
+        else:
+            vals = [table.get((p, length, ratio)) for length, ratio in columns]
+        print(f"| {p} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
+    for length in sorted({length for length, _ in columns}):  # one plot per length
+        keep = [r for r in rows if (r.policy, r.length, r.ratio) in table and r.length == length]
+        meta = {"model": "SmolLM2-135M", "lengths": f"{length} tokens, mean of {len(tasks)} tasks"}
+        with tempfile.TemporaryDirectory() as tmp:
+            _, made = write_ruler_outputs(keep, tmp, meta)
+            out = png.replace(".png", f"_{length}.png")
+            shutil.move(made, out)
+        print(f"plot: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
