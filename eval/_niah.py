@@ -73,17 +73,20 @@ class NiahResult:
     buffer: int
     max_new_tokens: int
     cells: list[NiahCell]
+    ratio: float | None = None
+    budgets: dict[str, int] | None = None
 
 
 def run_niah(
     model: LoadedModel,
-    policy: Policy,
+    policy: Policy | Callable[[int], Policy],
     *,
     lengths: Sequence[int],
     depths: Sequence[float],
     protocol: NiahProtocol | str,
     label: str | None = None,
     budget: int | None = None,
+    ratio: float | None = None,
     max_new_tokens: int = 32,
     template: NiahTemplate = DEFAULT_TEMPLATE,
     chunk_size: int = 256,
@@ -94,12 +97,15 @@ def run_niah(
 
     Args:
         model: weights and tokenizer (with a chat template).
-        policy: the cache policy.
+        policy: the cache policy, or a function of the context length giving it (a budget per
+            length, e.g. a compression ratio's: `budget_from_compression(ratio, length)`).
         lengths: context lengths in tokens (prompt + answer fit in each).
         depths: needle depths in percent of the haystack, in [0, 100].
         protocol: NiahProtocol or its value ("query-aware", "query-agnostic").
         label: the policy's name in the result (default policy.name; e.g. a preset's name).
         budget: recorded in the result only.
+        ratio: recorded in the result only (with each length's budget, when `policy` is a
+            function).
         max_new_tokens: answer length cap (generation also stops at the tokenizer's EOS ids).
         chunk_size: prompt tokens per prefill call; prompts are padded to one bucket per cache
             shape (`shared_buckets`), so every cell of a shape reuses one compilation.
@@ -134,20 +140,21 @@ def run_niah(
             raise ValueError(
                 f"context length {n} exceeds the model's {config.max_positions} learned positions"
             )
+    policies = {n: policy if isinstance(policy, Policy) else policy(n) for n in grid}
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
     gen = GenerateConfig(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
     )
     cells = []
     buckets = shared_buckets(
-        {n: cache_spec_for(config, policy, batch=1, max_len=n, dtype=dtype) for n in grid},
+        {n: cache_spec_for(config, policies[n], batch=1, max_len=n, dtype=dtype) for n in grid},
         chunk_size,
     )
     for n, prompts in grid.items():
         spec, bucket = buckets[n]
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
-            ids, cache = _answer(model, policy, gen, spec, p, protocol, bucket)
+            ids, cache = _answer(model, policies[n], gen, spec, p, protocol, bucket)
             answer = tok.decode(ids, skip_special=True)
             score, soft = score_niah_answer(answer)
             cells.append(
@@ -169,7 +176,7 @@ def run_niah(
     by_len = {str(n): float(np.mean([c.score for c in cells if c.length == n])) for n in grid}
     return NiahResult(
         model=config.name,
-        policy=label or policy.name,
+        policy=label or next(iter(policies.values())).name,
         budget=budget,
         protocol=protocol.value,
         lengths=list(grid),
@@ -183,6 +190,10 @@ def run_niah(
         buffer=BUFFER,
         max_new_tokens=max_new_tokens,
         cells=cells,
+        ratio=ratio,
+        budgets=None
+        if isinstance(policy, Policy)
+        else {str(n): getattr(policies[n], "budget", None) for n in grid},
     )
 
 

@@ -14,9 +14,11 @@ from ._niah import NiahCell, NiahResult
 
 
 def niah_stem(result: NiahResult) -> str:
-    """File name stem, e.g. `full_query-aware` or `window-b256_query-agnostic`."""
+    """File name stem, e.g. `full_query-aware`, `window-b256_query-agnostic`, or
+    `h2o-r0.5_query-aware` (a compression ratio: a budget per length)."""
     budget = "" if result.budget is None else f"-b{result.budget}"
-    return f"{result.policy}{budget}_{result.protocol}"
+    ratio = "" if result.ratio is None else f"-r{result.ratio:g}"
+    return f"{result.policy}{budget}{ratio}_{result.protocol}"
 
 
 def niah_score_grid(result: NiahResult) -> np.ndarray:
@@ -50,6 +52,8 @@ def plot_niah_heatmap(result: NiahResult, path: str | pathlib.Path) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     budget = "" if result.budget is None else f" budget={result.budget}"
+    if result.ratio is not None:
+        budget += f" compression={result.ratio:g}"
     ax.set_title(
         f"NIAH: {result.policy}{budget}, {result.protocol}\n{result.model}, "
         f"mean score {result.mean_score:.2f}",
@@ -84,6 +88,7 @@ def niah_summary_rows(results: Sequence[NiahResult]) -> list[dict[str, Any]]:
             "policy": r.policy,
             "budget": r.budget,
             "protocol": r.protocol,
+            **({} if r.ratio is None else {"ratio": r.ratio}),
             **{f"L={n}": r.mean_score_by_length[str(n)] for n in r.lengths},
             "mean": r.mean_score,
             "soft": float(np.mean([c.soft_score for c in r.cells])),

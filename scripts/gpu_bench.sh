@@ -271,6 +271,25 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
     trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
     wait ;;
+  niah-par)  # the NIAH grid (lengths x depths, both protocols) at compression RATIOS with policy
+    # NGROUPS (";"-separated) run at once, one process each sharing the GPU; XLA_FLAGS default
+    # as in ruler-par; everything packed into one archive (also when cut by its limit)
+    reassemble_gguf
+    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+    export XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
+    FINAL=$OUT
+    OUT=/tmp/niah && rm -rf "$OUT" && mkdir -p "$OUT"
+    i=0
+    IFS=';' read -ra groups <<< "${NGROUPS:-full streaming;h2o;tova;snapkv;knorm;keydiff;confkv;qevict;kvpop;kivi}"
+    for grp in "${groups[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      run niah --model /tmp/smollm2.gguf --policy $grp --ratios ${RATIOS:-0.25 0.5 0.75 0.875} \
+        --lengths ${LENGTHS:-1024 2048 4096} --depths 0 25 50 75 100 --protocol "${PROTOCOL:-both}" \
+        --out-dir "$OUT/niah_g$i" --json > "$OUT/niah_g$i.json" 2> "$OUT/niah_g$i.log" &
+    done
+    trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; tar czf "$FINAL/niah.tgz" -C /tmp niah' EXIT TERM
+    wait ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
     # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's
     # command buffers — CUDA graphs, also of while loops — may cut it): variants "base"

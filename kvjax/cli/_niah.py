@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvjax._budget import budget_from_compression
 from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load
 from kvjax.policies import BUDGETLESS
 
@@ -40,12 +41,21 @@ def register(sub) -> None:
         help="query-aware: question streamed with the context; query-agnostic: "
         "context compressed first, question appended after",
     )
+    p.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        default=None,
+        help="compression ratios instead of --budget: each context length L runs at a budget of "
+        "floor((1 - ratio) * L) tokens (kvpress's compression_ratio); one result per policy "
+        "and ratio (full: once)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens)")
     p.add_argument(
         "--out-dir",
         default="runs/niah",
-        help="writes <policy>[-b<budget>]_<protocol>.json and .png here",
+        help="writes <policy>[-b<budget>|-r<ratio>]_<protocol>.json and .png here",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -56,18 +66,20 @@ def run(args: argparse.Namespace) -> int:
 
     from kvjax.eval import check_niah_grid, niah_summary_rows, run_niah, write_niah_outputs
 
-    for name in args.policy:
-        build_policy(name, args)  # bad flags fail before the model loads
     check_niah_grid(args.lengths, args.depths)
+    runs = _runs(args)  # bad flags, ratios and budgets fail before the model loads
     protocols = _PROTOCOLS[args.protocol]
     model = load(args)
-    n_cells = len(args.policy) * len(protocols) * len(args.lengths) * len(args.depths)
+    n_cells = len(runs) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
     with tqdm(total=n_cells, desc="niah", unit="cell") as bar:
-        for name in args.policy:
-            policy = build_policy(name, args, model.config.num_layers)
+        for name, ratio in runs:
+            if ratio is None:
+                policy = build_policy(name, args, model.config.num_layers)
+            else:
+                policy = _at_ratio(name, ratio, args, model.config.num_layers)
             for protocol in protocols:
-                bar.set_postfix_str(f"{name} {protocol}")
+                bar.set_postfix_str(f"{name} {protocol}" + ("" if ratio is None else f" {ratio:g}"))
                 r = run_niah(
                     model,
                     policy,
@@ -76,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
                     protocol=protocol,
                     label=name,
                     budget=None if name in BUDGETLESS else args.budget,
+                    ratio=ratio,
                     max_new_tokens=args.max_new_tokens,
                     chunk_size=args.chunk_size,
                     on_cell=lambda _: bar.update(),
@@ -89,3 +102,49 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"wrote {len(paths)} JSON + PNG pairs under {args.out_dir}")
     return 0
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, float | None]]:
+    """(policy, ratio) pairs to run, every policy built once per length here (so a bad value
+    stops the command before the model loads); ratio None: `--budget` as given."""
+    if args.ratios is None:
+        for name in args.policy:
+            build_policy(name, args)
+        return [(name, None) for name in args.policy]
+    if args.budget is not None:
+        raise ValueError(
+            "give --budget (tokens per KV head) or --ratios (a compression of each context "
+            "length), not both"
+        )
+    runs: list[tuple[str, float | None]] = []
+    for name in args.policy:
+        if name in BUDGETLESS:  # keeps every token: one run, no ratio
+            build_policy(name, args)
+            runs.append((name, None))
+            continue
+        for ratio in args.ratios:
+            for length in args.lengths:
+                _at_ratio(name, ratio, args)(length)
+            runs.append((name, ratio))
+    return runs
+
+
+def _at_ratio(name: str, ratio: float, args: argparse.Namespace, num_layers: int | None = None):
+    """Context length -> the policy at `ratio`'s budget for that length."""
+
+    def policy(length: int):
+        try:
+            budget = budget_from_compression(ratio, length)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--ratios {ratio:g}: {e}") from None
+        try:
+            return build_policy(
+                name, argparse.Namespace(**{**vars(args), "budget": budget}), num_layers
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"--ratios {ratio:g} of a {length}-token context gives {name} a budget of "
+                f"{budget} tokens: {e}"
+            ) from None
+
+    return policy

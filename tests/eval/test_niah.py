@@ -20,11 +20,13 @@ from kvjax.eval import (
     build_niah_prompt,
     check_niah_grid,
     insert_needle,
+    niah_summary_rows,
     read_niah_result,
     run_niah,
     score_niah_answer,
     write_niah_outputs,
 )
+from kvjax.eval._niah_plot import niah_stem
 from kvjax.generate import GenerateConfig, generate
 from kvjax.policies import make_policy
 from kvjax.weights import LoadedModel
@@ -199,6 +201,34 @@ def test_budgeted_policy(tiny_model):
     assert r.cells[0].live_kv_bytes == 64 * 2 * 2 * 16 * 2 * 4  # the window is full
 
 
+def test_a_ratio_runs_each_length_at_its_own_budget(tiny_model):
+    """policy as a function of the length (a compression ratio): each length's cells equal a run
+    of that length alone at floor((1 - ratio) * length), the per-length budgets and the ratio are
+    in the result and its file name."""
+    from kvjax._budget import budget_from_compression
+
+    ratio, lengths = 0.75, (384, 512)
+    r = run_niah(
+        tiny_model,
+        lambda n: make_policy("window", budget_from_compression(ratio, n)),
+        lengths=list(lengths),
+        depths=[50],
+        protocol="query-agnostic",
+        ratio=ratio,
+        max_new_tokens=6,
+        chunk_size=128,
+        haystack=HAYSTACK,
+    )
+    assert r.ratio == ratio and r.budgets == {"384": 96, "512": 128} and r.budget is None
+    for cell, n in zip(r.cells, lengths, strict=True):
+        window = dict(policy="window", budget=n // 4, lengths=(n,), depths=(50,))
+        ref = _run(tiny_model, "query-agnostic", **window).cells[0]
+        assert (cell.answer_tokens, cell.live_kv_bytes) == (ref.answer_tokens, ref.live_kv_bytes)
+        assert cell.live_kv_bytes == (n // 4) * 2 * 2 * 16 * 2 * 4  # the window is full
+    assert niah_stem(r) == "window-r0.75_query-agnostic"
+    assert niah_summary_rows([r])[0]["ratio"] == ratio
+
+
 def _compiles(fn) -> int:
     """XLA compilations while fn() runs."""
     import jax.monitoring
@@ -289,6 +319,12 @@ def test_bad_run_input(tiny_model):
         (["--policy", "window"], "needs a budget"),
         (["--depths", "120"], "outside"),
         (["--lengths", "150"], "buffer"),
+        (["--policy", "h2o", "--ratios", "0.5", "--budget", "64"], "not both"),
+        (["--policy", "h2o", "--ratios", "1.5"], "--ratios 1.5: compression must be in [0, 1)"),
+        (
+            ["--policy", "streaming", "--sinks", "300", "--ratios", "0.75", "--lengths", "1024"],
+            "--ratios 0.75 of a 1024-token context gives streaming a budget of 256 tokens",
+        ),
     ],
 )
 def test_cli_bad_input(argv, match, capsys):
@@ -300,3 +336,15 @@ def test_cli_bad_input(argv, match, capsys):
 def test_smollm_finds_needle_at_1k(smollm):
     r = run_niah(smollm, make_policy("full"), lengths=[1024], depths=[50], protocol="query-aware")
     assert r.cells[0].score == 1.0, r.cells[0].answer
+
+
+def test_cli_ratios_run_each_budgeted_policy_per_ratio_and_full_once():
+    from kvjax.cli import build_parser
+    from kvjax.cli._niah import _at_ratio, _runs
+
+    args = build_parser().parse_args(
+        ["niah", "--policy", "full", "h2o", "--ratios", "0.5", "0.875", "--lengths", "1024"]
+    )
+    assert _runs(args) == [("full", None), ("h2o", 0.5), ("h2o", 0.875)]
+    assert _at_ratio("h2o", 0.875, args)(1024).budget == 128
+    assert _at_ratio("h2o", 0.5, args)(2048).budget == 1024
