@@ -28,6 +28,33 @@ reassemble_gguf() {
   cat /tmp/parts/part_* > /tmp/smollm2.gguf
   (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
 }
+# par_groups NAME GROUPS ARGS...: `kvjax NAME --policy GROUP ARGS` for each ";"-separated GROUP
+# at once, one process each sharing the GPU (no preallocation); a call returns only a few files,
+# so everything under /tmp/NAME goes into $OUT/NAME.tgz, also when the call is cut by its limit.
+# XLA_FLAGS default: cuBLAS for every dot and no autotuning. With XLA's Triton GEMMs and their
+# autotuning, 16 `kvjax ruler` processes at once spent 500-520 s before their first sample (each
+# compiling and autotuning the same dots on the shared GPU); without, each finished 60 samples in
+# about 2 minutes, with the same scores (docs/lab/2026-12-03-h200-stream-ruler.md). Set
+# XLA_FLAGS (even empty) to override.
+par_groups() {
+  local name=$1 spec=$2 dir=/tmp/$1 final=$OUT i=0 grp groups
+  shift 2
+  reassemble_gguf
+  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
+  rm -rf "$dir" && mkdir -p "$dir"
+  IFS=';' read -ra groups <<< "$spec"
+  for grp in "${groups[@]}"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086
+    run "$name" --model /tmp/smollm2.gguf --policy $grp "$@" --out-dir "$dir/${name}_g$i" --json \
+      > "$dir/${name}_g$i.out" 2> "$dir/${name}_g$i.log" &
+  done
+  # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
+  # shellcheck disable=SC2064
+  trap "kill \$(jobs -p) 2>/dev/null || true; wait || true; tar czf '$final/$name.tgz' -C /tmp $name" EXIT TERM
+  wait
+}
 case "${1:-foundation}" in
   foundation)
     run bench decode --preset Llama-3-8B --dtype bfloat16 --policy full window --budget 4096 \
@@ -243,53 +270,20 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     done
     wait
     grep -h "stream \[" "$OUT"/stream_*.log | tail -40 || true ;;
-  ruler-par)  # the RULER-style grid with policy RGROUPS (";"-separated) run at once, one process
-    # each sharing the GPU (no preallocation); each group's ruler.json is rewritten after every
-    # cell, so a run cut by its time limit keeps every finished cell. TASKS, LENGTHS, RATIOS,
-    # SAMPLES as `kvjax ruler` takes them.
-    # A call returns only a few files: everything goes into one archive (also when cut).
-    # XLA_FLAGS default: cuBLAS for every dot and no autotuning. With XLA's Triton GEMMs and
-    # their autotuning, 16 groups at once spent 500-520 s before their first sample (every
-    # process compiling and autotuning the same dots on the shared GPU); without, each group
-    # finished 60 samples in 2 minutes, with the same scores (docs/lab/2026-12-03-h200-ruler.md).
-    # Set XLA_FLAGS (even empty) to override.
-    reassemble_gguf
-    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
-    export XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
-    FINAL=$OUT
-    OUT=/tmp/ruler && rm -rf "$OUT" && mkdir -p "$OUT"
-    i=0
-    IFS=';' read -ra groups <<< "${RGROUPS:-full streaming;h2o tova;snapkv adakv-snapkv;pyramidkv chunkkv;knorm keydiff;kvzip;expected random;kvpop adakv-keydiff}"
-    for grp in "${groups[@]}"; do
-      i=$((i + 1))
-      # shellcheck disable=SC2086
-      run ruler --model /tmp/smollm2.gguf --policy $grp --ratios ${RATIOS:-0.5 0.75} \
-        --tasks ${TASKS:-niah_single_1 niah_multikey_1 niah_multivalue vt} \
-        --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 \
-        --out-dir "$OUT/ruler_g$i" --json > /dev/null 2> "$OUT/ruler_g$i.log" &
-    done
-    # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
-    trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; tar czf "$FINAL/ruler.tgz" -C /tmp ruler' EXIT TERM
-    wait ;;
-  niah-par)  # the NIAH grid (lengths x depths, both protocols) at compression RATIOS with policy
-    # NGROUPS (";"-separated) run at once, one process each sharing the GPU; XLA_FLAGS default
-    # as in ruler-par; everything packed into one archive (also when cut by its limit)
-    reassemble_gguf
-    export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
-    export XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
-    FINAL=$OUT
-    OUT=/tmp/niah && rm -rf "$OUT" && mkdir -p "$OUT"
-    i=0
-    IFS=';' read -ra groups <<< "${NGROUPS:-full streaming;h2o;tova;snapkv;knorm;keydiff;confkv;qevict;kvpop;kivi}"
-    for grp in "${groups[@]}"; do
-      i=$((i + 1))
-      # shellcheck disable=SC2086
-      run niah --model /tmp/smollm2.gguf --policy $grp --ratios ${RATIOS:-0.25 0.5 0.75 0.875} \
-        --lengths ${LENGTHS:-1024 2048 4096} --depths 0 25 50 75 100 --protocol "${PROTOCOL:-both}" \
-        --out-dir "$OUT/niah_g$i" --json > "$OUT/niah_g$i.json" 2> "$OUT/niah_g$i.log" &
-    done
-    trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; tar czf "$FINAL/niah.tgz" -C /tmp niah' EXIT TERM
-    wait ;;
+  ruler-par)  # the RULER-style grid with policy RGROUPS (";"-separated) run at once (par_groups);
+    # each group's ruler.json is rewritten after every cell, so a run cut by its time limit keeps
+    # every finished cell. TASKS, LENGTHS, RATIOS, SAMPLES as `kvjax ruler` takes them.
+    # shellcheck disable=SC2086
+    par_groups ruler "${RGROUPS:-full streaming;h2o tova;snapkv adakv-snapkv;pyramidkv chunkkv;knorm keydiff;kvzip;expected random;kvpop adakv-keydiff}" \
+      --ratios ${RATIOS:-0.5 0.75} --tasks ${TASKS:-niah_single_1 niah_multikey_1 niah_multivalue vt} \
+      --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 ;;
+  niah-par)  # the NIAH grid (LENGTHS x 5 depths, PROTOCOL, default both) at compression RATIOS
+    # with policy NGROUPS (";"-separated) run at once (par_groups); a group's results are written
+    # when each (policy, ratio, protocol) finishes all its cells
+    # shellcheck disable=SC2086
+    par_groups niah "${NGROUPS:-full streaming;h2o;tova;snapkv;knorm;keydiff;confkv;qevict;kvpop;kivi}" \
+      --ratios ${RATIOS:-0.25 0.5 0.75 0.875} --lengths ${LENGTHS:-1024 2048 4096} \
+      --depths 0 25 50 75 100 --protocol "${PROTOCOL:-both}" ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each
     # XLA_FLAGS variant (one process each; the step is launch-bound at SmolLM2's size, so XLA's
     # command buffers — CUDA graphs, also of while loops — may cut it): variants "base"
