@@ -61,22 +61,54 @@ def _rope_at(x, pos, theta):
     )
 
 
+def _f64(a):
+    return None if a is None else np.asarray(a, np.float64)
+
+
+def _forward(config, params, tokens, attention_logits) -> np.ndarray:
+    """[S, V] float64 logits of a Llama-family model over tokens [S], each layer's attention
+    logits given by `attention_logits(layer, q, k)`: the layer's q [S, Hq, D] and k [S, Hkv, D]
+    (float64, before RoPE) to [Hq, S, S] scaled logits, -inf where a query may not look."""
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    g = hq // hkv
+    tokens = np.asarray(tokens)
+    s = len(tokens)
+    x = _f64(params.embed)[tokens]
+    for layer, lp in enumerate(params.layers):
+        h = _rms(x, _f64(lp.attn_norm), config.norm_eps)
+        lin = lambda w, b, h=h: h @ _f64(w) + (0 if b is None else _f64(b))
+        q, k = lin(lp.wq, lp.bq).reshape(s, hq, d), lin(lp.wk, lp.bk).reshape(s, hkv, d)
+        v = np.repeat(lin(lp.wv, lp.bv).reshape(s, hkv, d), g, axis=1)  # [S, Hq, D]
+        logits = attention_logits(layer, q, k)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = np.einsum("hij,jhd->ihd", p, v).reshape(s, hq * d)
+        x = x + o @ _f64(lp.wo)
+        h = _rms(x, _f64(lp.mlp_norm), config.norm_eps)
+        gate, up = h @ _f64(lp.w_gate), h @ _f64(lp.w_up)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ _f64(lp.w_down)
+    x = _rms(x, _f64(params.final_norm), config.norm_eps)
+    head = _f64(params.embed).T if params.lm_head is None else _f64(params.lm_head)
+    return x @ head
+
+
+def _nll(logits, tokens) -> np.ndarray:
+    """[S-1] float64 NLL of tokens [S] 1..S-1 under logits [S, V] float64."""
+    logits = logits[:-1]
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return -logp[np.arange(len(tokens) - 1), np.asarray(tokens)[1:]]
+
+
 def masked_logits(config, params, tokens, mask: np.ndarray, positions=None) -> np.ndarray:
     """[S, V] float64 logits of a Llama-family model over tokens [S] where query i attends the
     positions j with mask[i, j]. `positions`: None (token i at RoPE position i), or
     (query_pos [S], key_pos [S, S]) giving each (query, key) pair its RoPE positions
     (`cache_positions`; the per-pair keys cost S·S·Hkv·D, for short sequences)."""
-    f = lambda a: None if a is None else np.asarray(a, np.float64)
-    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    g = hq // hkv
-    tokens = np.asarray(tokens)
-    s = len(tokens)
-    x = f(params.embed)[tokens]
-    for lp in params.layers:
-        h = _rms(x, f(lp.attn_norm), config.norm_eps)
-        lin = lambda w, b, h=h: h @ f(w) + (0 if b is None else f(b))
-        q, k = lin(lp.wq, lp.bq).reshape(s, hq, d), lin(lp.wk, lp.bk).reshape(s, hkv, d)
-        v = np.repeat(lin(lp.wv, lp.bv).reshape(s, hkv, d), g, axis=1)  # [S, Hq, D]
+    g = config.num_heads // config.num_kv_heads
+
+    def attention_logits(layer, q, k):
+        s, d = len(q), config.head_dim
         if positions is None:
             q, k = _rope(q, config.rope_theta), _rope(k, config.rope_theta)
             logits = np.einsum("ihd,jhd->hij", q, np.repeat(k, g, axis=1)) / np.sqrt(d)
@@ -84,25 +116,14 @@ def masked_logits(config, params, tokens, mask: np.ndarray, positions=None) -> n
             q = _rope_at(q, positions[0], config.rope_theta)
             k = _rope_at(np.broadcast_to(k, (s, *k.shape)), positions[1], config.rope_theta)
             logits = np.einsum("ihd,ijhd->hij", q, np.repeat(k, g, axis=2)) / np.sqrt(d)
-        logits = np.where(mask[None], logits, -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        o = np.einsum("hij,jhd->ihd", p, v).reshape(s, hq * d)
-        x = x + o @ f(lp.wo)
-        h = _rms(x, f(lp.mlp_norm), config.norm_eps)
-        gate, up = h @ f(lp.w_gate), h @ f(lp.w_up)
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f(lp.w_down)
-    x = _rms(x, f(params.final_norm), config.norm_eps)
-    head = f(params.embed).T if params.lm_head is None else f(params.lm_head)
-    return x @ head
+        return np.where(mask[None], logits, -np.inf)
+
+    return _forward(config, params, tokens, attention_logits)
 
 
 def masked_nll(config, params, tokens, mask: np.ndarray, positions=None) -> np.ndarray:
     """[S-1] float64 NLL of tokens 1..S-1 under `masked_logits`."""
-    logits = masked_logits(config, params, tokens, mask, positions)[:-1]
-    m = logits.max(-1, keepdims=True)
-    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-    return -logp[np.arange(len(tokens) - 1), np.asarray(tokens)[1:]]
+    return _nll(masked_logits(config, params, tokens, mask, positions), tokens)
 
 
 def rank_positions(kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,38 +164,21 @@ def per_head_nll(config, params, tokens, kept, positions=None) -> np.ndarray:
         positions: None (token i at RoPE position i), or (query_pos [L, Hkv, S], key_pos
             [L, Hkv, S, S]) giving each (query, key) pair its RoPE positions (`rank_positions`).
     """
-    f = lambda a: None if a is None else np.asarray(a, np.float64)
-    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    g = hq // hkv
-    tokens = np.asarray(tokens)
+    hq, d = config.num_heads, config.head_dim
+    g = hq // config.num_kv_heads
     s = len(tokens)
     idx = np.arange(s)
     if positions is None:
         positions = (np.broadcast_to(idx, kept.shape[:-1]), np.broadcast_to(idx, kept.shape))
-    x = f(params.embed)[tokens]
-    for layer, lp in enumerate(params.layers):
+
+    def attention_logits(layer, q, k):
         mask = np.repeat(kept[layer], g, axis=0)  # [Hq, S, S]
         qpos = np.repeat(positions[0][layer], g, axis=0)  # [Hq, S]
         kpos = np.repeat(positions[1][layer], g, axis=0)  # [Hq, S, S]
-        h = _rms(x, f(lp.attn_norm), config.norm_eps)
-        lin = lambda w, b, h=h: h @ f(w) + (0 if b is None else f(b))
-        q = lin(lp.wq, lp.bq).reshape(s, hq, d).transpose(1, 0, 2)  # [Hq, S, D]
-        k = np.repeat(lin(lp.wk, lp.bk).reshape(s, hkv, d), g, axis=1).transpose(1, 0, 2)
-        v = np.repeat(lin(lp.wv, lp.bv).reshape(s, hkv, d), g, axis=1)  # [S, Hq, D]
-        q = _rope_per(q, qpos, config.rope_theta)  # [Hq, S, D]
+        q = _rope_per(q.transpose(1, 0, 2), qpos, config.rope_theta)  # [Hq, S, D]
+        k = np.repeat(k, g, axis=1).transpose(1, 0, 2)  # [Hq, S, D]
         k = _rope_per(np.broadcast_to(k[:, None], (hq, s, s, d)), kpos, config.rope_theta)
         logits = np.einsum("hid,hijd->hij", q, k) / np.sqrt(d)
-        logits = np.where(mask, logits, -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        o = np.einsum("hij,jhd->ihd", p, v).reshape(s, hq * d)
-        x = x + o @ f(lp.wo)
-        h = _rms(x, f(lp.mlp_norm), config.norm_eps)
-        gate, up = h @ f(lp.w_gate), h @ f(lp.w_up)
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f(lp.w_down)
-    x = _rms(x, f(params.final_norm), config.norm_eps)
-    head = f(params.embed).T if params.lm_head is None else f(params.lm_head)
-    logits = (x @ head)[:-1]
-    m = logits.max(-1, keepdims=True)
-    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-    return -logp[np.arange(s - 1), tokens[1:]]
+        return np.where(mask, logits, -np.inf)
+
+    return _nll(_forward(config, params, tokens, attention_logits), tokens)

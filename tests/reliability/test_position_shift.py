@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reliability.char_tokenizer import CharTokenizer
 from reliability.masked_forward import cache_positions, masked_nll, streaming_mask
 
 from kvjax.cli import main
 from kvjax.eval import run_stream, stream_tokens
 from kvjax.generate import model_step, new_cache, score_tokens
 from kvjax.models import TINY_GPT2, TINY_LLAMA, RopeScaling, rope_rotation
-from kvjax.policies import StreamingPolicy, make_policy
+from kvjax.policies import H2OPolicy, StreamingPolicy, make_policy
 from kvjax.weights import LoadedModel
 
 S = 40
@@ -132,18 +133,21 @@ def test_bad_arguments(kwargs, match):
         make_policy("streaming", **kwargs)
 
 
-def test_a_model_without_rope_is_refused(tiny_gpt2):
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(StreamingPolicy(budget=8, position_shift=True), id="streaming"),
+        pytest.param(H2OPolicy(budget=8, position_shift=True), id="h2o"),
+    ],
+)
+def test_a_model_without_rope_is_refused(tiny_gpt2, policy):
+    """StreamingLLM's shift and a ranked policy's both need RoPE (GPT-2's positions are
+    learned)."""
     config, params = tiny_gpt2
-    policy = StreamingPolicy(budget=8, position_shift=True)
     with pytest.raises(ValueError, match="has no RoPE"):
         new_cache(config, policy, batch=1, max_len=16, dtype=jnp.float32)
     with pytest.raises(ValueError, match="has no RoPE"):
         score_tokens(config, params, np.arange(10), policy=policy)
-
-
-class _Chars:
-    def encode(self, text):
-        return [ord(c) % 128 for c in text[:300]]
 
 
 def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys):
@@ -152,7 +156,7 @@ def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys):
     import kvjax.cli._stream as stream_cli
 
     config, params = tiny_llama
-    model = LoadedModel(config=config, params=params, tokenizer=_Chars(), source="tiny")
+    model = LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
     monkeypatch.setattr(stream_cli, "load", lambda args: model)
     argv = ["stream", "--policy", "streaming", "--budget", "9", "--tokens", "48"]
     argv += ["--chunk", "16", "--segment", "16", "--set", "position_shift=TRUE", "--json"]

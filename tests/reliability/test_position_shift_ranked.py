@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from policy_cases import build
+from reliability.char_tokenizer import CharTokenizer
 from reliability.masked_forward import (
     cache_positions,
     per_head_nll,
@@ -323,26 +324,12 @@ def test_bad_arguments(build_it, match):
         build_it()
 
 
-def test_a_model_without_rope_is_refused(tiny_gpt2):
-    config, params = tiny_gpt2
-    policy = H2OPolicy(budget=8, position_shift=True)
-    with pytest.raises(ValueError, match="has no RoPE"):
-        new_cache(config, policy, batch=1, max_len=16, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="has no RoPE"):
-        score_tokens(config, params, np.arange(10), policy=policy)
-
-
-class _Chars:
-    def encode(self, text):
-        return [ord(c) % 128 for c in text[:300]]
-
-
 def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys):
     """`--set position_shift=true` reaches a ranked policy (any case)."""
     import kvjax.cli._stream as stream_cli
 
     config, params = tiny_llama
-    model = LoadedModel(config=config, params=params, tokenizer=_Chars(), source="tiny")
+    model = LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
     monkeypatch.setattr(stream_cli, "load", lambda args: model)
     argv = ["stream", "--policy", "h2o", "--budget", "9", "--tokens", "48"]
     argv += ["--chunk", "16", "--segment", "16", "--set", "position_shift=True", "--json"]

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from reliability.char_tokenizer import CharTokenizer
 
 from kvjax.cli import main
 from kvjax.eval import plot_stream, run_stream, stream_tokens
@@ -16,25 +17,18 @@ from kvjax.policies import make_policy
 from kvjax.weights import LoadedModel, essay_names, essay_text
 
 
-class _Chars:
-    """A stand-in tokenizer: one id per character (mod the vocab)."""
-
-    def encode(self, text):
-        return [ord(c) % 128 for c in text[:300]]
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama):
     config, params = tiny_llama
-    return LoadedModel(config=config, params=params, tokenizer=_Chars(), source="tiny")
+    return LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
 
 
 def test_stream_tokens_concatenates_and_loops(tiny_model):
     toks = stream_tokens(tiny_model, 50_000)  # every essay's first 300 characters, looped
     assert toks.shape == (50_000,) and toks.dtype == np.int32
-    period = sum(len(_Chars().encode(essay_text(n))) for n in essay_names())
+    period = sum(len(CharTokenizer().encode(essay_text(n))) for n in essay_names())
     assert period < 50_000
-    first = _Chars().encode(essay_text(essay_names()[0]))
+    first = CharTokenizer().encode(essay_text(essay_names()[0]))
     np.testing.assert_array_equal(toks[: len(first)], first)
     np.testing.assert_array_equal(toks[:1000], toks[period : period + 1000])
 
