@@ -150,21 +150,24 @@ def test_a_model_without_rope_is_refused(tiny_gpt2, policy):
         score_tokens(config, params, np.arange(10), policy=policy)
 
 
-def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys):
-    """`--set position_shift=True` (true/false in any case) reaches the policy (ppl and generate
-    build it the same way, `kvjax.cli._common.build_policy`)."""
+@pytest.mark.parametrize(
+    "name,cls,value", [("streaming", StreamingPolicy, "TRUE"), ("h2o", H2OPolicy, "True")]
+)
+def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys, name, cls, value):
+    """`--set position_shift=True` (true/false in any case) reaches the policy, positional or
+    ranked (ppl and generate build it the same way, `kvjax.cli._common.build_policy`)."""
     import kvjax.cli._stream as stream_cli
 
     config, params = tiny_llama
     model = LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
     monkeypatch.setattr(stream_cli, "load", lambda args: model)
-    argv = ["stream", "--policy", "streaming", "--budget", "9", "--tokens", "48"]
-    argv += ["--chunk", "16", "--segment", "16", "--set", "position_shift=TRUE", "--json"]
+    argv = ["stream", "--policy", name, "--budget", "9", "--tokens", "48"]
+    argv += ["--chunk", "16", "--segment", "16", "--set", f"position_shift={value}", "--json"]
     assert main(argv) == 0
     got = [r["ppl"] for r in json.loads(capsys.readouterr().out)]
     toks = stream_tokens(model, 49)
     for shift in (True, False):
-        policy = StreamingPolicy(budget=9, position_shift=shift)
+        policy = cls(budget=9, position_shift=shift)
         rows = run_stream(model, policy, toks, budget=9, chunk=16, segment=16, max_full=64)
         same = all(math.isclose(a, r.ppl, rel_tol=1e-6) for a, r in zip(got, rows, strict=True))
         assert same == shift

@@ -6,15 +6,12 @@ sort; one compilation; bad input."""
 
 import dataclasses
 import functools
-import json
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from policy_cases import build
-from reliability.char_tokenizer import CharTokenizer
 from reliability.masked_forward import (
     cache_positions,
     per_head_nll,
@@ -25,14 +22,12 @@ from reliability.masked_forward import (
 from kvjax.attention import attend, attend_xla
 from kvjax.cache import CacheSpec, init_cache
 from kvjax.cli import main
-from kvjax.eval import run_stream, stream_tokens
 from kvjax.generate import GenerateConfig, generate, model_step, new_cache, score_tokens
 from kvjax.generate._loop import _generate
 from kvjax.generate._score import _score_segment
 from kvjax.models import rope_rotation
 from kvjax.policies import H2OPolicy, QEvictPolicy, make_policy
 from kvjax.policies._cache_positions import cache_position_shift
-from kvjax.weights import LoadedModel
 
 S = 40
 BUDGET = 9  # every case evicts from step 9 or so on, well inside the 40 tokens
@@ -322,25 +317,6 @@ def test_one_compilation_for_a_long_generation(tiny_llama):
 def test_bad_arguments(build_it, match):
     with pytest.raises(ValueError, match=match):
         build_it()
-
-
-def test_cli_set_position_shift(tiny_llama, monkeypatch, capsys):
-    """`--set position_shift=true` reaches a ranked policy (any case)."""
-    import kvjax.cli._stream as stream_cli
-
-    config, params = tiny_llama
-    model = LoadedModel(config=config, params=params, tokenizer=CharTokenizer(), source="tiny")
-    monkeypatch.setattr(stream_cli, "load", lambda args: model)
-    argv = ["stream", "--policy", "h2o", "--budget", "9", "--tokens", "48"]
-    argv += ["--chunk", "16", "--segment", "16", "--set", "position_shift=True", "--json"]
-    assert main(argv) == 0
-    got = [r["ppl"] for r in json.loads(capsys.readouterr().out)]
-    toks = stream_tokens(model, 49)
-    for shift in (True, False):
-        policy = H2OPolicy(budget=9, position_shift=shift)
-        rows = run_stream(model, policy, toks, budget=9, chunk=16, segment=16, max_full=64)
-        same = all(math.isclose(a, r.ppl, rel_tol=1e-6) for a, r in zip(got, rows, strict=True))
-        assert same == shift
 
 
 @pytest.mark.parametrize(
