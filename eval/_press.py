@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import Cache, CacheSpec, init_cache, stack_cache, unstack_cache
-from kvjax.eval._press_pool import pool_append_cache, pool_slots, pooled_top_slots
+from kvjax.eval._press_pool import pool_append_cache, pooled_top_mask
 from kvjax.generate import GenerateConfig, cache_spec_for, new_cache, prefill_cache
 from kvjax.models import ModelConfig, Params, forward, stack_params
 from kvjax.policies import (
@@ -125,7 +125,7 @@ def press_context(
         )
         n = min(cached_tokens(press.budget), s)
         if isinstance(policy, AdaKVPolicy):
-            keep = [pooled_top_slots(sc, n, policy.safeguard(i)) for i, sc in enumerate(scores)]
+            keep = [pooled_top_mask(sc, n, policy.safeguard(i)) for i, sc in enumerate(scores)]
         else:
             keep = [top_slots(sc, n) for sc in scores]
         layers = full.layers
@@ -147,10 +147,9 @@ def press_context(
             config, policy, gen, weights, empty, padded, jnp.asarray([s], jnp.int32)
         )
         layers = (unstack_cache(cache) if scan else cache).layers
-        keep = [
-            live_slots(ly.pos) if ly.head is None else pool_slots(ly.pos, ly.head, ly.pool_heads)
-            for ly in layers
-        ]
+        # adakv's pools: every occupied slot is kept (`pool_append_cache`)
+        pooled = isinstance(policy, AdaKVPolicy)
+        keep = [None if pooled else live_slots(ly.pos) for ly in layers]
     if isinstance(policy, AdaKVPolicy):
         cache, slots, kept = pool_append_cache(config, layers, keep, room, s, dtype, min_slots)
         append = AppendPolicy(slots=slots, pooled=True)
