@@ -295,7 +295,7 @@ def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> t
     j = write_ruler_json(rows, out_dir, meta)
     png = pathlib.Path(out_dir) / "ruler.png"
     summary = ruler_summary(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     full = [s["score"] for s in summary if s["policy"] == "full"]
     names = list(dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"))
     markers = "osD^vP*X<>hp"
@@ -311,7 +311,7 @@ def write_ruler_outputs(rows: Sequence[RulerRow], out_dir: str, meta: dict) -> t
     ax.set_ylabel("RULER score (string_match_all ×100)")
     ax.set_title(f"{meta.get('model', '')} — RULER {meta.get('lengths', '')}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside, not over, lines
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
