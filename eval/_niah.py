@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import Cache, CacheSpec, live_bytes
-from kvjax.generate import GenerateConfig, cache_spec_for, generate_from_cache, prefill_cache
+from kvjax.generate import (
+    GenerateConfig,
+    cache_spec_for,
+    generate_from_cache,
+    new_cache,
+    prefill_cache,
+)
+from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import Policy
 from kvjax.weights import LoadedModel
 
@@ -92,6 +99,7 @@ def run_niah(
     chunk_size: int = 256,
     haystack: str | None = None,
     on_cell: Callable[[NiahCell], None] | None = None,
+    scan_layers: bool = False,
 ) -> NiahResult:
     """Greedy answers over a grid of context lengths × needle depths, one protocol.
 
@@ -111,9 +119,14 @@ def run_niah(
             shape (`shared_buckets`), so every cell of a shape reuses one compilation.
         haystack: text instead of the essays (tests).
         on_cell: called after each cell (progress bars).
+        scan_layers: run the layers in one `lax.scan` over a stacked cache, both protocols
+            (`GenerateConfig.scan_layers`): each cache shape compiles one layer, not one per
+            layer; the same answers and live bytes. Params are stacked once here (no copy
+            when `model.params` already are: `stack_params`).
 
     Raises:
-        ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack.
+        ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack;
+            `scan_layers` with a policy of per-layer budgets (pyramid), before any cell runs.
     """
     if protocol not in tuple(NiahProtocol):
         raise ValueError(
@@ -141,6 +154,13 @@ def run_niah(
                 f"context length {n} exceeds the model's {config.max_positions} learned positions"
             )
     policies = {n: policy if isinstance(policy, Policy) else policy(n) for n in grid}
+    unscannable = sorted({q.name for q in policies.values() if not q.scans_layers()})
+    if scan_layers and unscannable:
+        raise ValueError(
+            f"run_niah(scan_layers=True): policy {unscannable[0]!r} cannot run in a layer scan "
+            "(per-layer budgets: pyramid); run it with scan_layers=False"
+        )
+    params = stack_params(model.params) if scan_layers else model.params
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
     gen = GenerateConfig(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
@@ -151,10 +171,13 @@ def run_niah(
         chunk_size,
     )
     for n, prompts in grid.items():
-        spec, bucket = buckets[n]
+        bucket = buckets[n][1]
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
-            ids, cache = _answer(model, policies[n], gen, spec, p, protocol, bucket)
+            empty = new_cache(
+                config, policies[n], batch=1, max_len=n, dtype=dtype, stacked=scan_layers
+            )
+            ids, cache = _answer(config, params, policies[n], gen, empty, p, protocol, bucket)
             answer = tok.decode(ids, skip_special=True)
             score, soft = score_niah_answer(answer)
             cells.append(
@@ -218,38 +241,24 @@ def _padded(ids: list[int], size: int) -> tuple[Array, Array]:
 
 
 def _answer(
-    model: LoadedModel,
+    config: ModelConfig,
+    params: Params,
     policy: Policy,
     gen: GenerateConfig,
-    spec: CacheSpec,
+    cache: Cache,
     p: NiahPrompt,
     protocol: NiahProtocol,
     bucket: int,
 ) -> tuple[list[int], Cache]:
-    cache = policy.empty_cache(spec)
+    """One cell's answer ids and final cache; `cache` is empty (stacked: a layer scan, with
+    `params` stacked) and donated."""
     key = jax.random.key(0)
     if protocol is NiahProtocol.QUERY_AWARE:
-        res, cache = generate_from_cache(
-            model.config,
-            policy,
-            gen,
-            model.params,
-            cache,
-            *_padded(p.context + p.question, bucket),
-            key,
-        )
+        tokens = _padded(p.context + p.question, bucket)
+        res, cache = generate_from_cache(config, policy, gen, params, cache, *tokens, key)
     else:
-        cache, _ = prefill_cache(
-            model.config, policy, gen, model.params, cache, *_padded(p.context, bucket)
-        )
+        cache, _ = prefill_cache(config, policy, gen, params, cache, *_padded(p.context, bucket))
         tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
-        res, cache = generate_from_cache(
-            model.config,
-            policy,
-            tail,
-            model.params,
-            cache,
-            *_padded(p.question, tail.chunk_size),
-            key,
-        )
+        tokens = _padded(p.question, tail.chunk_size)
+        res, cache = generate_from_cache(config, policy, tail, params, cache, *tokens, key)
     return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache

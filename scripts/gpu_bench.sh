@@ -28,9 +28,12 @@ reassemble_gguf() {
   cat /tmp/parts/part_* > /tmp/smollm2.gguf
   (cd .gguf-parts && echo "$(cut -d' ' -f1 sha256.txt)  /tmp/smollm2.gguf" | sha256sum -c)
 }
-# par_groups NAME GROUPS ARGS...: `kvjax NAME --policy GROUP ARGS` for each ";"-separated GROUP
-# at once, one process each sharing the GPU (no preallocation); a call returns only a few files,
-# so everything under /tmp/NAME goes into $OUT/NAME.tgz, also when the call is cut by its limit.
+# par_groups NAME GROUPS ARGS...: `kvjax NAME ARGS --policy GROUP` for each ";"-separated GROUP
+# at once, one process each sharing the GPU (no preallocation). A group is policies, then any
+# flags of its own, given after the shared ARGS so they override them (argparse keeps the last
+# occurrence): "confkv --ratios 0.25 0.5" runs confkv at those ratios only. A call returns only
+# a few files, so everything under /tmp/NAME goes into $OUT/NAME.tgz, also when the call is cut
+# by its limit.
 # XLA_FLAGS default: cuBLAS for every dot and no autotuning. With XLA's Triton GEMMs and their
 # autotuning, 16 `kvjax ruler` processes at once spent 500-520 s before their first sample (each
 # compiling and autotuning the same dots on the shared GPU); without, each finished 60 samples in
@@ -47,7 +50,7 @@ par_groups() {
   for grp in "${groups[@]}"; do
     i=$((i + 1))
     # shellcheck disable=SC2086
-    run "$name" --model /tmp/smollm2.gguf --policy $grp "$@" --out-dir "$dir/${name}_g$i" --json \
+    run "$name" --model /tmp/smollm2.gguf "$@" --policy $grp --out-dir "$dir/${name}_g$i" --json \
       > "$dir/${name}_g$i.out" 2> "$dir/${name}_g$i.log" &
   done
   # cut by its limit (TERM) or done: stop the groups, then pack what they wrote
@@ -279,9 +282,18 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
       --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 ;;
   niah-par)  # the NIAH grid (LENGTHS x 5 depths, PROTOCOL, default both) at compression RATIOS
     # with policy NGROUPS (";"-separated) run at once (par_groups); a group's results are written
-    # when each (policy, ratio, protocol) finishes all its cells
+    # when each (policy, ratio, protocol) finishes all its cells. Each group runs with
+    # --scan-layers (the grid is compile-bound: one compiled layer instead of 30;
+    # docs/compile.md) but a group naming pyramidkv, whose per-layer budgets cannot scan; SCAN=0:
+    # every group unrolled.
+    niah_groups=
+    IFS=';' read -ra ngroups <<< "${NGROUPS:-full streaming;h2o;tova;snapkv;knorm;keydiff;confkv;qevict;kvpop;kivi}"
+    for grp in "${ngroups[@]}"; do
+      case " $grp " in *" pyramidkv "*) ;; *) [ "${SCAN:-1}" = 0 ] || grp+=" --scan-layers" ;; esac
+      niah_groups+="${niah_groups:+;}$grp"
+    done
     # shellcheck disable=SC2086
-    par_groups niah "${NGROUPS:-full streaming;h2o;tova;snapkv;knorm;keydiff;confkv;qevict;kvpop;kivi}" \
+    par_groups niah "$niah_groups" \
       --ratios ${RATIOS:-0.25 0.5 0.75 0.875} --lengths ${LENGTHS:-1024 2048 4096} \
       --depths 0 25 50 75 100 --protocol "${PROTOCOL:-both}" ;;
   stream-flags)  # ms/token of a short stream (TOKENS, default 16384) of one POLICY under each

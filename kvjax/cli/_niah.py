@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from kvjax._budget import budget_from_compression
-from kvjax.cli._common import add_model_args, add_policy_args, build_policy, emit, load
+from kvjax.cli._common import (
+    add_model_args,
+    add_policy_args,
+    add_scan_arg,
+    build_policy,
+    check_scan,
+    emit,
+    load,
+)
 from kvjax.policies import BUDGETLESS
 
 _PROTOCOLS = {
@@ -52,6 +61,7 @@ def register(sub) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens)")
+    add_scan_arg(p)
     p.add_argument(
         "--out-dir",
         default="runs/niah",
@@ -65,11 +75,16 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from kvjax.eval import check_niah_grid, niah_summary_rows, run_niah, write_niah_outputs
+    from kvjax.models import stack_params
 
     check_niah_grid(args.lengths, args.depths)
     runs = _runs(args)  # bad flags, ratios and budgets fail before the model loads
     protocols = _PROTOCOLS[args.protocol]
     model = load(args)
+    if args.scan_layers:
+        _runs(args, model.config.num_layers)  # per-layer budgets need the layer count
+        # once for every run; the per-layer copy is dropped
+        model = dataclasses.replace(model, params=stack_params(model.params))
     n_cells = len(runs) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
     with tqdm(total=n_cells, desc="niah", unit="cell") as bar:
@@ -92,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
                     max_new_tokens=args.max_new_tokens,
                     chunk_size=args.chunk_size,
                     on_cell=lambda _: bar.update(),
+                    scan_layers=args.scan_layers,
                 )
                 results.append(r)
                 paths.append(write_niah_outputs(r, args.out_dir))
@@ -104,12 +120,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(args: argparse.Namespace) -> list[tuple[str, float | None]]:
-    """(policy, ratio) pairs to run, every policy built once per length here (so a bad value
-    stops the command before the model loads); ratio None: `--budget` as given."""
+def _runs(
+    args: argparse.Namespace, num_layers: int | None = None
+) -> list[tuple[str, float | None]]:
+    """(policy, ratio) pairs to run, every policy built once per length here (so a bad value,
+    or one that cannot scan its layers under --scan-layers, stops the command before the model
+    loads; `num_layers`: again once it has, before any cell runs); ratio None: `--budget` as
+    given."""
     if args.ratios is None:
         for name in args.policy:
-            build_policy(name, args)
+            check_scan(build_policy(name, args, num_layers), args)
         return [(name, None) for name in args.policy]
     if args.budget is not None:
         raise ValueError(
@@ -119,12 +139,12 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, float | None]]:
     runs: list[tuple[str, float | None]] = []
     for name in args.policy:
         if name in BUDGETLESS:  # keeps every token: one run, no ratio
-            build_policy(name, args)
+            check_scan(build_policy(name, args, num_layers), args)
             runs.append((name, None))
             continue
         for ratio in args.ratios:
             for length in args.lengths:
-                _at_ratio(name, ratio, args)(length)
+                check_scan(_at_ratio(name, ratio, args, num_layers)(length), args)
             runs.append((name, ratio))
     return runs
 

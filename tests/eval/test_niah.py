@@ -269,6 +269,50 @@ def test_lengths_of_one_cache_shape_share_one_compiled_step(tiny_model):
         assert (cell.answer_tokens, cell.live_kv_bytes) == (ref.answer_tokens, ref.live_kv_bytes)
 
 
+@pytest.mark.parametrize("protocol", list(NiahProtocol))
+def test_scanned_grid_equals_unrolled(tiny_model, protocol):
+    """scan_layers: a stacked cache and stacked params, the same answers, scores and live bytes
+    as the unrolled grid, for a ratio's per-length policies."""
+    from kvjax._budget import budget_from_compression
+
+    for name in ("streaming", "h2o"):
+        run = lambda scan, name=name: run_niah(
+            tiny_model,
+            lambda n: make_policy(name, budget_from_compression(0.75, n)),
+            lengths=[384],
+            depths=[0, 100],
+            protocol=protocol,
+            ratio=0.75,
+            max_new_tokens=6,
+            chunk_size=128,
+            haystack=HAYSTACK,
+            scan_layers=scan,
+        )
+        fields = lambda r: [
+            (c.answer_tokens, c.answer, c.score, c.soft_score, c.live_kv_bytes) for c in r.cells
+        ]
+        scanned, unrolled = run(True), run(False)
+        assert fields(scanned) == fields(unrolled), name
+        assert scanned.cells[0].live_kv_bytes == 96 * 2 * 2 * 16 * 2 * 4  # the budget is full
+
+
+def test_scan_layers_refuses_per_layer_budgets(tiny_model):
+    layers = tiny_model.config.num_layers
+    pyramid = make_policy("pyramidkv", 128, num_layers=layers, beta=2, window=16, observation=16)
+    assert not pyramid.scans_layers()  # layer budgets 192 and 64
+    with pytest.raises(ValueError, match="cannot run in a layer scan"):
+        run_niah(
+            tiny_model,
+            pyramid,
+            lengths=[384],
+            depths=[50],
+            protocol="query-aware",
+            haystack=HAYSTACK,
+            scan_layers=True,
+            on_cell=lambda _: pytest.fail("a cell ran"),
+        )
+
+
 def test_outputs_written(aware, tmp_path):
     json_path, png_path = write_niah_outputs(aware, tmp_path / "out")
     assert json_path.endswith("full_query-aware.json") and png_path.endswith(".png")
@@ -332,6 +376,22 @@ def test_cli_bad_input(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_cli_scan_layers_refuses_pyramidkv_before_any_cell(tiny_model, monkeypatch, capsys):
+    """pyramidkv's per-layer budgets need the model's layer count: --scan-layers is refused
+    once the model loads (here the tiny one, 2 layers), before any cell runs."""
+    import os
+
+    import kvjax.cli._niah as niah_cli
+    import kvjax.eval
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --scan-layers adds one
+    monkeypatch.setattr(niah_cli, "load", lambda args: tiny_model)
+    monkeypatch.setattr(kvjax.eval, "run_niah", lambda *a, **k: pytest.fail("a cell ran"))
+    argv = ["--policy", "full", "pyramidkv", "--ratios", "0.5", "--lengths", "4096"]
+    assert main(["niah", *argv, "--scan-layers"]) == 2  # budget 2048: layers of 3994 and 102
+    assert "--scan-layers: policy 'pyramidkv'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_smollm_finds_needle_at_1k(smollm):
     r = run_niah(smollm, make_policy("full"), lengths=[1024], depths=[50], protocol="query-aware")
@@ -346,5 +406,7 @@ def test_cli_ratios_run_each_budgeted_policy_per_ratio_and_full_once():
         ["niah", "--policy", "full", "h2o", "--ratios", "0.5", "0.875", "--lengths", "1024"]
     )
     assert _runs(args) == [("full", None), ("h2o", 0.5), ("h2o", 0.875)]
+    assert not args.scan_layers
+    assert build_parser().parse_args(["niah", "--scan-layers"]).scan_layers
     assert _at_ratio("h2o", 0.875, args)(1024).budget == 128
     assert _at_ratio("h2o", 0.5, args)(2048).budget == 1024
