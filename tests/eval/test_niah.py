@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax_events import COMPILE, count_events
 
 from kvjax.cli import main
 from kvjax.eval import (
@@ -229,23 +230,6 @@ def test_a_ratio_runs_each_length_at_its_own_budget(tiny_model):
     assert niah_summary_rows([r])[0]["ratio"] == ratio
 
 
-def _compiles(fn) -> int:
-    """XLA compilations while fn() runs."""
-    import jax.monitoring
-
-    n = [0]
-
-    def listen(event, duration, **kw):
-        n[0] += event == "/jax/core/compile/backend_compile_duration"
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return n[0]
-
-
 def test_lengths_of_one_cache_shape_share_one_compiled_step(tiny_model):
     """A bounded cache has one shape at every length above its budget: a grid over two such
     lengths compiles what one length compiles (prompts padded to one bucket), and its cells
@@ -257,10 +241,10 @@ def test_lengths_of_one_cache_shape_share_one_compiled_step(tiny_model):
     )
     window = dict(policy="window", budget=64)
     jax.clear_caches()
-    one = _compiles(lambda: run((384,), **window))
+    one = count_events(COMPILE, lambda: run((384,), **window))
     jax.clear_caches()
     both = []
-    two = _compiles(lambda: both.append(run((384, 512), **window)))
+    two = count_events(COMPILE, lambda: both.append(run((384, 512), **window)))
     assert 0 < one == two, (one, two)
     alone = run((512,), **window)
     for cell, ref in zip(

@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+from jax_events import LOWERING, count_events
 
 from kvjax.cli import main
 from kvjax.eval import (
@@ -203,24 +204,6 @@ def test_cells_of_one_length_share_one_compiled_generate(tiny_model):
     assert generate_from_cache._cache_size() == first + 1
 
 
-def _lowerings(fn) -> int:
-    """Programs traced and lowered while fn() runs (also those the persistent compilation cache
-    then loads instead of compiling)."""
-    import jax.monitoring
-
-    n = [0]
-
-    def listen(event, duration, **kw):
-        n[0] += event == "/jax/core/compile/jaxpr_to_mlir_module_duration"
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return n[0]
-
-
 @pytest.mark.parametrize("name", ["adakv-h2o", "adakv-expected"])
 def test_adakv_samples_of_one_cell_compile_nothing_new(tiny_model, name):
     """A second sample of a cell (another context of the same length, the same question)
@@ -234,4 +217,5 @@ def test_adakv_samples_of_one_cell_compile_nothing_new(tiny_model, name):
     b = dataclasses.replace(b, question=a.question)
     assert len(a.context) == len(b.context) and a.context != b.context
     answer(model, name, 0.5, a, 4)
-    assert _lowerings(lambda: answer(model, name, 0.5, b, 4)) == 0
+    # (lowerings count also programs the persistent compilation cache then loads)
+    assert count_events(LOWERING, lambda: answer(model, name, 0.5, b, 4)) == 0
