@@ -282,7 +282,8 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
       --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 ;;
   niah-par)  # the NIAH grid (LENGTHS x 5 depths, PROTOCOL, default both) at compression RATIOS
     # with policy NGROUPS (";"-separated) run at once (par_groups); a group's results are written
-    # when each (policy, ratio, protocol) finishes all its cells. Each group runs with
+    # when each (policy, ratio, protocol) finishes all its cells (one table and plot from them:
+    # scripts/merge_ruler_json.py OUT.png niah/PROTOCOL FILES...). Each group runs with
     # --scan-layers (the grid is compile-bound: one compiled layer instead of 30;
     # docs/compile.md) but a group naming pyramidkv, whose per-layer budgets cannot scan; SCAN=0:
     # every group unrolled.

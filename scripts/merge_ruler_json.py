@@ -6,7 +6,11 @@ TASKS is a comma-separated list of the tasks averaged into each cell (e.g.
 mean score over TASKS only when every one of them finished there, else `—` (a cut run leaves
 cells half done). A cell found in two files must agree, or the merge stops. Prints a Markdown
 table (rows: policies; columns: length × ratio) and writes a score-vs-ratio plot per length
-(OUT_LENGTH.png)."""
+(OUT_LENGTH.png).
+
+`kvjax niah --ratios` results (`<policy>-r<ratio>_<protocol>.json`, and the full cache's
+`full_<protocol>.json`) merge the same way: each length of one is a cell of task
+`niah/<protocol>` scored as its depths' mean × 100 (e.g. TASKS `niah/query-agnostic`)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import tempfile
 
 import numpy as np
 
+from kvjax.eval._niah_plot import read_niah_result
 from kvjax.eval._ruler import RulerRow, write_ruler_outputs
 
 
@@ -30,6 +35,8 @@ def read(paths: list[str]) -> list[RulerRow]:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"error: {path}: not a readable ruler JSON ({e})") from None
+        if isinstance(data, dict) and "cells" in data and "protocol" in data:
+            data = {"rows": niah_rows(path)}
         rows = data.get("rows") if isinstance(data, dict) else None
         if not isinstance(rows, list) or not all(
             isinstance(r, dict) and fields <= r.keys() for r in rows
@@ -44,6 +51,34 @@ def read(paths: list[str]) -> list[RulerRow]:
                 )
             found[key] = row
     return list(found.values())
+
+
+def niah_rows(path: str) -> list[dict]:
+    """A `kvjax niah` result as ruler rows: one per length, task `niah/<protocol>`, score the
+    mean over its depths × 100; a policy without a budget (full, kivi) at ratio 0."""
+    try:
+        r = read_niah_result(path)
+        by_length = {n: [c for c in r.cells if c.length == n] for n in r.lengths}
+        budgets = r.budgets or {}
+        rows = [
+            {
+                "policy": r.policy,
+                "ratio": float(r.ratio or 0.0),
+                "task": f"niah/{r.protocol}",
+                "length": int(n),
+                "score": round(100 * float(r.mean_score_by_length[str(n)]), 1),
+                "samples": len(cells),
+                "kept_tokens": float(budgets.get(str(n), n)),
+                "seconds_compress": float(np.mean([c.seconds for c in cells])),
+                "answers": [c.answer for c in cells],
+            }
+            for n, cells in by_length.items()
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"error: {path}: not a readable niah result ({e!r})") from None
+    if r.ratio is None and r.budget is not None:
+        raise SystemExit(f"error: {path}: a niah result of --budget (no ratio to place it at)")
+    return rows
 
 
 def cells(rows: list[RulerRow], tasks: list[str]) -> dict[tuple, float]:
@@ -69,15 +104,17 @@ def main(argv: list[str]) -> None:
     head = [f"{length // 1024}K {ratio:.1%}".replace(".0%", "%") for length, ratio in columns]
     print("| policy | " + " | ".join(head) + " |")
     print("|---" * (len(head) + 1) + "|")
+    fixed = {p for p, _, _ in table} - {p for p, _, ratio in table if ratio > 0}
     for p in policies:
-        if p == "full":
-            vals = [table.get(("full", length, 0.0)) for length, _ in columns]
+        if p in fixed:  # no budget (full, kivi): its one score in every column of its length
+            vals = [table.get((p, length, 0.0)) for length, _ in columns]
         else:
             vals = [table.get((p, length, ratio)) for length, ratio in columns]
         print(f"| {p} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
     for length in sorted({length for length, _ in columns}):  # one plot per length
         keep = [r for r in rows if (r.policy, r.length, r.ratio) in table and r.length == length]
-        meta = {"model": "SmolLM2-135M", "lengths": f"{length} tokens, mean of {len(tasks)} tasks"}
+        what = f"mean of {len(tasks)} tasks" if len(tasks) > 1 else tasks[0]
+        meta = {"model": "SmolLM2-135M", "lengths": f"{length} tokens, {what}"}
         with tempfile.TemporaryDirectory() as tmp:
             _, made = write_ruler_outputs(keep, tmp, meta)
             out = png.replace(".png", f"_{length}.png")

@@ -87,3 +87,81 @@ def test_a_file_that_is_not_ruler_output_is_named(tmp_path, monkeypatch, text):
     bad.write_text(text)
     code = _run(monkeypatch, [str(tmp_path / "x.png"), TASKS, str(bad)])
     assert isinstance(code, str) and code.startswith(f"error: {bad}")
+
+
+def _niah(path, policy, protocol, scores, *, ratio=None, budget=None):
+    """A `kvjax niah` result JSON: scores {length: [score per depth]}."""
+    from kvjax.eval._niah import NiahCell, NiahResult
+
+    cells = [
+        NiahCell(
+            length=length,
+            depth=25.0 * i,
+            needle_depth=25.0 * i,
+            score=s,
+            soft_score=s,
+            answer=f"a{i}",
+            answer_tokens=[1],
+            prompt_tokens=length,
+            live_kv_bytes=8,
+            seconds=0.5,
+        )
+        for length, per_depth in scores.items()
+        for i, s in enumerate(per_depth)
+    ]
+    result = NiahResult(
+        model="m",
+        policy=policy,
+        budget=budget,
+        protocol=protocol,
+        lengths=list(scores),
+        depths=[25.0 * i for i in range(len(next(iter(scores.values()))))],
+        mean_score=0.0,
+        mean_score_by_length={str(n): sum(v) / len(v) for n, v in scores.items()},
+        needle="n",
+        question="q",
+        scoring="s",
+        template={"user": "{context}"},
+        buffer=8,
+        max_new_tokens=4,
+        cells=cells,
+        ratio=ratio,
+        budgets=None if ratio is None else {str(n): int(n * (1 - ratio)) for n in scores},
+    )
+    path.write_text(json.dumps(dataclasses.asdict(result)))
+    return str(path)
+
+
+def test_niah_results_merge_as_one_task_per_protocol(tmp_path, monkeypatch, capsys):
+    """Each length of a niah result is a cell (its depths' mean × 100); a budgetless policy
+    (full, kivi) is its one score in every column; the other protocol is another task."""
+    agn = "query-agnostic"
+    files = [
+        _niah(tmp_path / "full.json", "full", agn, {1024: [1, 1, 0, 1], 2048: [1, 1, 1, 1]}),
+        _niah(tmp_path / "kivi.json", "kivi", agn, {1024: [0, 1, 0, 0], 2048: [0, 0, 0, 0]}),
+        _niah(
+            tmp_path / "h5.json", "h2o", agn, {1024: [1, 0, 0, 0], 2048: [1, 1, 0, 0]}, ratio=0.5
+        ),
+        _niah(tmp_path / "h7.json", "h2o", agn, {1024: [0, 0, 0, 0]}, ratio=0.75),
+        _niah(tmp_path / "aw.json", "h2o", "query-aware", {1024: [1, 1, 1, 1]}, ratio=0.75),
+    ]
+    assert _run(monkeypatch, [str(tmp_path / "n.png"), f"niah/{agn}", *files]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| policy | 1K 50% | 1K 75% | 2K 50% |"
+    assert lines[2] == "| full | 75 | 75 | 100 |"
+    assert lines[3] == "| h2o | 25 | 0 | 50 |"
+    assert lines[4] == "| kivi | 25 | 25 | 0 |"
+    assert (tmp_path / "n_2048.png").stat().st_size > 0
+
+
+def test_niah_result_of_a_budget_is_refused(tmp_path, monkeypatch):
+    path = _niah(tmp_path / "b.json", "h2o", "query-agnostic", {1024: [1, 0]}, budget=256)
+    code = _run(monkeypatch, [str(tmp_path / "x.png"), "niah/query-agnostic", path])
+    assert isinstance(code, str) and code.startswith(f"error: {path}") and "--budget" in code
+
+
+def test_a_broken_niah_result_is_named(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"policy": "h2o", "protocol": "query-agnostic", "cells": [{}]}))
+    code = _run(monkeypatch, [str(tmp_path / "x.png"), "niah/query-agnostic", str(bad)])
+    assert isinstance(code, str) and code.startswith(f"error: {bad}: not a readable niah result")
