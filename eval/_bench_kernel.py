@@ -33,6 +33,7 @@ ROWS = (
     "pallas-int8", "pallas-int4", "pallas-int2",
     "pallas-int4-f32stats", "pallas-int2-f32stats",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
+    "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
 )  # fmt: skip
 
 
@@ -82,7 +83,7 @@ SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)
 
 
 def _nbytes(*xs) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in xs))
+    return int(sum(x.size * jax.dtypes.itemsize_bits(x.dtype) for x in xs)) // 8
 
 
 def _timed(fn: Callable, q: jax.Array, data, iters: int, repeats: int) -> tuple[float, float]:
@@ -230,9 +231,9 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         return ours(bits=bits), tier, _nbytes(*arrays)
 
-    def mgpu_lowbit(bits: int):
+    def mgpu_lowbit(bits: int, native: bool = False, load: str = "upcast2x"):
         # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
-        # groups, values channel-major (`to_channel_major`).
+        # groups, values channel-major (`to_channel_major`; `native`: int4 codes).
         def build():
             k, v = kv()
             pages = s // da.MGPU_LOWBIT_PAGE
@@ -243,15 +244,16 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
             ext = jnp.full((b, hkv), pages, jnp.int32)
             tier = da.LowBitTier(pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero,
                                  lpos, ext)  # fmt: skip
-            return da.to_channel_major(tier, bits)
+            return da.to_channel_major(tier, bits, native=native)
 
         def fn(q, knobs, tier):
+            extra = {"int4_load": load} if native else {}
             p = da.decode_attention_lowbit_mgpu(
-                grouped(q), tier, q_pos, bits=bits, scale=scale, **(knobs or {})
+                grouped(q), tier, q_pos, bits=bits, scale=scale, **extra, **(knobs or {})
             )
             return out(da.combine([p])[0])
 
-        tier = once(f"mgpu-int{bits}", build)
+        tier = once(f"mgpu-int{bits}" + ("-codes" if native else ""), build)
         return fn, tier, _nbytes(*tier[:5])
 
     cases = {
@@ -272,6 +274,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
         cases[f"pallas-int{bits}-f32stats"] = functools.partial(lowbit, bits, True)
         cases[f"mgpu-int{bits}"] = functools.partial(mgpu_lowbit, bits)
+    # int4 arrays (`to_channel_major(native=True)`), each way of loading them (`INT4_LOADS`)
+    cases["mgpu-int4-codes"] = functools.partial(mgpu_lowbit, 4, True, "upcast2x")
+    cases["mgpu-int4-codes-wgmma"] = functools.partial(mgpu_lowbit, 4, True, "wgmma")
+    cases["mgpu-int4-codes-auto"] = functools.partial(mgpu_lowbit, 4, True, "auto")
     return cases
 
 

@@ -6,6 +6,12 @@ a page's tokens, so that the A operand V^T [channels, tokens] of the PV dot unpa
 every byte XOR 0x80, so that masking a code slice and reading it as int8 is linear (8-bit
 shifts do not lower in Mosaic GPU, masks do); statistics pre-multiplied per code slice
 (`kernel_stats`), so that the kernel does no arithmetic on them.
+
+`native=True` (4 bits only) stores the codes as JAX `int4` arrays instead: keys [.., Tp, D] and
+values [.., D, Tp] two to a byte in their natural order, each code minus 8 (so the signed value
+is linear in it), the statistics (scale, zero + 8·scale). Mosaic GPU converts int4 registers to
+bfloat16 without a conversion instruction (a byte permute, a mask-or and a bfloat16 subtract
+for two values), where the byte layout above needs an int8 → bfloat16 conversion per value.
 """
 
 from __future__ import annotations
@@ -49,8 +55,39 @@ def kernel_stats(scale: Array, zero: Array, slice_of: Array, bits: int) -> Array
     return jnp.stack([s, z], axis=-2).astype(jnp.bfloat16)
 
 
-def to_channel_major(tier: LowBitTier, bits: int) -> ChannelMajorLowBitTier:
-    """The same tokens and codes in the Mosaic GPU kernel's layout, statistics kernel-ready."""
+def native_stats(scale: Array, zero: Array, bits: int) -> Array:
+    """(scale, zero + 2^(bits-1)·scale) stacked on a new axis -2, bfloat16: the statistics of
+    codes stored minus 2^(bits-1) (signed), computed in float32 and rounded once."""
+    scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    return jnp.stack([scale, zero + float(1 << (bits - 1)) * scale], axis=-2).astype(jnp.bfloat16)
+
+
+def _native_codes(codes: Array, bits: int) -> Array:
+    """Unsigned codes → signed int4 codes minus 2^(bits-1)."""
+    return (codes.astype(jnp.int8) - jnp.int8(1 << (bits - 1))).astype(jnp.int4)
+
+
+def to_channel_major(
+    tier: LowBitTier, bits: int, *, native: bool = False
+) -> ChannelMajorLowBitTier:
+    """The same tokens and codes in the Mosaic GPU kernel's layout, statistics kernel-ready
+    (`native`: int4 arrays, 4 bits only; module docstring)."""
+    if native:
+        if bits != 4:
+            raise ValueError(
+                f"to_channel_major(native=True) stores int4 codes: bits must be 4, not {bits}"
+            )
+        kcodes = unpack_codes(tier.k, bits)  # [B, Hkv, P, Tp, D]
+        vcodes = jnp.swapaxes(unpack_codes(tier.v, bits), -1, -2)  # [B, Hkv, P, D, Tp]
+        vsc, vze = (jnp.swapaxes(x, -1, -2) for x in (tier.v_scale, tier.v_zero))  # [.., NG, Tp]
+        return ChannelMajorLowBitTier(
+            _native_codes(kcodes, bits),
+            _native_codes(vcodes, bits),
+            native_stats(tier.k_scale, tier.k_zero, bits),
+            jnp.swapaxes(native_stats(vsc, vze, bits), -2, -3),
+            tier.pos,
+            tier.extent,
+        )
     d, tp = tier.k_scale.shape[-1], tier.k.shape[3]
     n = 8 // bits
     chan = jnp.arange(d, dtype=jnp.int32) // (d // n)

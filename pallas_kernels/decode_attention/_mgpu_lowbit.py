@@ -51,6 +51,32 @@ def _slice(packed: Array, c: int, bits: int) -> Array:
     return (packed & jnp.uint8(mask)).astype(jnp.int8).astype(jnp.bfloat16)
 
 
+INT4_LOADS = ("upcast2x", "wgmma", "auto")  # how `_native` loads int4 codes (a tuning knob)
+
+
+def _native(ref, load: str) -> Array:
+    """An int4 tile of shared memory as bfloat16 in the wgmma A layout, converted by Mosaic
+    GPU's int4 → bfloat16 path (a byte permute, a mask-or and a bfloat16 subtract for two
+    values). `load`: "upcast2x" loads four codes a thread-vector (WGMMA_UPCAST_2X, the layout
+    Mosaic GPU keeps for narrow operands of a dot) and moves the bfloat16 values to the wgmma
+    layout after the conversion; "wgmma" loads in the wgmma layout itself (two codes a
+    vector); "auto" leaves the layout to Mosaic GPU's inference. (WGMMA_UPCAST_4X, eight codes
+    a vector, does not load from these tiles in JAX 0.11.2.)"""
+    if load == "auto":
+        return ref[...].astype(jnp.bfloat16)
+    lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
+    x = plgpu.load(ref, layout=lay, optimized=True).astype(jnp.bfloat16)
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
+
+
+def _int4_tile(shape: tuple[int, ...]) -> plgpu.SMEM:
+    """Shared memory for [..., R, W] int4 codes: (8, W) tiles of W·4 bits, swizzled by their
+    row's bytes (as Mosaic GPU's mixed-type matmul lays out its narrow operand)."""
+    swz = plgpu.find_swizzle(shape[-1] * 4)
+    tr = (plgpu.TilingTransform((8, swz * 8 // 4)), plgpu.SwizzleTransform(swz))
+    return plgpu.SMEM(shape, jnp.int4, transforms=tr)
+
+
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
     """Why the Mosaic GPU low-bit kernel cannot run this (validated) tier (None if it can)."""
     tp, d = tier.k.shape[3], q.shape[3]
@@ -93,7 +119,11 @@ def _kernel(
     stages: int,
     num_splits: int,
     interpret: bool,
+    native: bool = False,
+    int4_load: str = "upcast2x",
 ):
+    # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
+    # bfloat16 path (permute, mask-or, subtract: no conversion instruction); one slice.
     if interpret:
         ka_smem, va_smem, *bars = stage
     else:
@@ -103,7 +133,7 @@ def _kernel(
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     pages_cap = k_ref.shape[2]
     cols, d = q_ref.shape[2:]
-    n = 8 // bits
+    n = 1 if native else 8 // bits
     w = d // n  # channels per key code slice
     ng = vs_ref.shape[4]
     halves = d // 64
@@ -148,7 +178,8 @@ def _kernel(
         pos = plgpu.load(pos_smem.at[slot], layout=row, optimized=True)
 
         def qk(s_ref):
-            kc = k_smem[slot]  # [64 tokens, D·bits/8] uint8
+            # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D] int4 ref)
+            kc = k_smem.at[slot] if native else k_smem[slot]
             keys = []
             for c in range(n):  # slice c: channels c·w ... (c+1)·w
                 # Statistics loaded at their use: a whole page's at once would hold registers
@@ -157,7 +188,7 @@ def _kernel(
                     plgpu.load(ks_smem.at[slot, j, pl.ds(c * w, w)], layout=col, optimized=True)
                     for j in range(2)
                 ]  # fmt: skip
-                code = _slice(kc, c, bits)
+                code = _native(kc, int4_load) if native else _slice(kc, c, bits)
                 kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
                 keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
             keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
@@ -186,9 +217,13 @@ def _kernel(
 
         def pv(*o_refs):
             for r, o_ref_ in enumerate(o_refs):
-                vc = v_smem[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
-                codes = [_slice(vc, c, bits) for c in range(n)]  # slice c: tokens c·64/n ...
-                codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]  # [64, 64]
+                vc = v_smem.at[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
+                if native:  # [64 channels, 64 tokens] int4
+                    codes = _native(vc, int4_load)
+                else:
+                    vc = vc[...]
+                    codes = [_slice(vc, c, bits) for c in range(n)]  # slice c: tokens c·64/n …
+                    codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]  # [64, 64]
                 plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r]].T)
             return tuple(o[...] for o in o_refs)
 
@@ -219,7 +254,10 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "scale", "num_splits", "stages", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("bits", "scale", "num_splits", "stages", "int4_load", "interpret"),
+)
 def decode_attention_lowbit_mgpu(
     q: Array,
     tier: ChannelMajorLowBitTier,
@@ -229,18 +267,22 @@ def decode_attention_lowbit_mgpu(
     scale: float,
     num_splits: int | None = None,
     stages: int | None = None,
+    int4_load: str = "upcast2x",
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one low-bit tier (Mosaic GPU, tokens on M).
 
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
-        tier: ChannelMajorLowBitTier of `bits`-bit codes in 64-token pages.
+        tier: ChannelMajorLowBitTier of `bits`-bit codes in 64-token pages: packed bytes, or
+            int4 codes (`to_channel_major(native=True)`, bits 4), converted by Mosaic GPU's
+            int4 → bfloat16 path.
         q_pos: [B] int32 query positions.
         bits: 2 or 4.
         scale: logit scale.
         num_splits: splits per (sequence, KV head); default fills the chip.
         stages: pages in flight (TMA copies ahead of the dots); default from the Tuning.
+        int4_load: how int4 codes load into registers, one of INT4_LOADS (`_native`).
         interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -251,6 +293,8 @@ def decode_attention_lowbit_mgpu(
     why = mgpu_lowbit_applies(tier, q)
     if why:
         raise ValueError(f"decode attention (Mosaic GPU low-bit): unsupported {why}")
+    if int4_load not in INT4_LOADS:
+        raise ValueError(f"int4_load must be one of {INT4_LOADS}, got {int4_load!r}")
     b, hkv, group, d = q.shape
     pages = tier.k.shape[2]
     tune = tuning_for()
@@ -264,11 +308,18 @@ def decode_attention_lowbit_mgpu(
         jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
     ]
     ng = tier.v_stats.shape[4]
-    kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
+    native = tier.k.dtype == jnp.int4
+    if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
+        codes = [_int4_tile((stages, PAGE, d)), _int4_tile((stages, d, PAGE))]
+    else:
+        kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
+        codes = [
+            plgpu.SMEM((stages, PAGE, kbytes), jnp.uint8),
+            plgpu.SMEM((stages, d, vbytes), jnp.uint8),
+        ]
     scratch = [
         smem_tile((cols, d), jnp.bfloat16),
-        plgpu.SMEM((stages, PAGE, kbytes), jnp.uint8),
-        plgpu.SMEM((stages, d, vbytes), jnp.uint8),
+        *codes,
         plgpu.SMEM((stages, 2, d), jnp.bfloat16),
         plgpu.SMEM((stages, 2, ng, PAGE), jnp.bfloat16),
         plgpu.SMEM((stages, PAGE), jnp.int32),
@@ -279,7 +330,14 @@ def decode_attention_lowbit_mgpu(
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)] + [plgpu.Barrier(num_barriers=stages)] * 5
     body = functools.partial(
-        _kernel, bits=bits, scale=scale, stages=stages, num_splits=splits, interpret=interpret
+        _kernel,
+        bits=bits,
+        scale=scale,
+        stages=stages,
+        num_splits=splits,
+        interpret=interpret,
+        native=native,
+        int4_load=int4_load,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret

@@ -123,12 +123,18 @@ def check_channel_major(tier, q, bits: int) -> None:
             f"{name}.k", f"must be [B, Hkv, P, Tp, D·bits/8], got {getattr(tier.k, 'shape', None)}"
         )
     pages, tp, dp = tier.k.shape[2:]
-    if dp * 8 != d * bits:
+    if tier.k.dtype == jnp.int4:  # to_channel_major(native=True): a code per element
+        if bits != 4:
+            _fail(f"{name}.k", f"holds int4 codes, but bits={bits}")
+        _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, d), (jnp.int4,))
+        _expect(f"{name}.v", tier.v, (b, hkv, pages, d, tp), (jnp.int4,))
+    elif dp * 8 != d * bits:
         _fail(f"{name}.k", f"packed width {dp} does not hold D={d} channels at {bits} bits")
-    if tp * bits % 8:
+    elif tp * bits % 8:
         _fail(f"{name}.k", f"a page of {tp} tokens does not pack whole bytes at {bits} bits")
-    _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, dp), (jnp.uint8,))
-    _expect(f"{name}.v", tier.v, (b, hkv, pages, d, tp * bits // 8), (jnp.uint8,))
+    else:
+        _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, dp), (jnp.uint8,))
+        _expect(f"{name}.v", tier.v, (b, hkv, pages, d, tp * bits // 8), (jnp.uint8,))
     _expect(f"{name}.k_stats", tier.k_stats, (b, hkv, pages, 2, d), (jnp.bfloat16,))
     ng = tier.v_stats.shape[4] if getattr(tier.v_stats, "ndim", 0) == 6 else 0
     if ng < 1 or d % ng:

@@ -98,7 +98,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     from kvjax.eval._bench_kernel import bench_kernel
 
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
-    rows += ("pallas-bf16-pooled",)
+    rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -128,6 +128,11 @@ def test_bench_kernel_rows_bytes_and_errors():
     assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
     # The pool holds the same slots: K/V, then an int32 position and owner id per slot.
     assert res["pallas-bf16-pooled"].bytes_read == bf16 + 2 * (2 * 64 * 4)
+    # The Mosaic layouts (one 64-token page, value groups of 64): packed bytes or int4 arrays
+    # hold the same bits; bfloat16 statistics per channel (keys) and token (values); positions.
+    mg_stats = 2 * 2 * (64 + 64)
+    assert res["mgpu-int4"].bytes_read == bf16 // 4 + mg_stats * 2 + 2 * 64 * 4
+    assert res["mgpu-int4-codes"].bytes_read == res["mgpu-int4"].bytes_read
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
         assert "Error" in res["pallas-bf16-pooled"].error

@@ -27,17 +27,19 @@ from kvjax.pallas_kernels.decode_attention import (
     decode_attention_lowbit_mgpu,
     to_channel_major,
 )
+from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import INT4_LOADS
 
 TOL = 2e-2  # bfloat16 operands
 
 
-def _tiers(case: Case, seed: int, value_group: int = 64):
-    """(q, q_pos, channel-major tier, oracle tiers (empty full, low-bit)) with 64-token pages."""
+def _tiers(case: Case, seed: int, value_group: int = 64, native: bool = False):
+    """(q, q_pos, channel-major tier, oracle tiers (empty full, low-bit)) with 64-token pages
+    (`native`: int4 codes)."""
     q, q_pos, full, _, lowbit = make_tiers(
         case, seed, page=MGPU_LOWBIT_PAGE, value_group=value_group
     )
     empty = full._replace(pos=jnp.full_like(full.pos, -1))
-    return q, q_pos, to_channel_major(lowbit, case.bits), (empty, lowbit)
+    return q, q_pos, to_channel_major(lowbit, case.bits, native=native), (empty, lowbit)
 
 
 CASES = [
@@ -62,9 +64,15 @@ class TestMgpuLowbit:
             pytest.skip("compiled Mosaic GPU kernels need a GPU; the Interpret class covers CPU")
 
     @pytest.mark.parametrize("splits", [1, 3])
-    @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.tiers}-g{c.ratio}-d{c.head_dim}")
-    def test_matches_float64(self, case, splits):
-        q, q_pos, tier, (full, lowbit) = _tiers(case, _seed(case, splits, self.INTERPRET))
+    @pytest.mark.parametrize(
+        "case, native",
+        [(c, False) for c in CASES] + [(c, True) for c in CASES if c.bits == 4],
+        ids=lambda x: f"{x.tiers}-g{x.ratio}-d{x.head_dim}" if isinstance(x, Case) else
+        ("int4codes" if x else "bytes"),
+    )  # fmt: skip
+    def test_matches_float64(self, case, native, splits):
+        seed = _seed(case, splits, self.INTERPRET, native)
+        q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
         scale = q.shape[-1] ** -0.5
         res = decode_attention_lowbit_mgpu(
             q, tier, q_pos, bits=case.bits, scale=scale, num_splits=splits, stages=2,
@@ -135,6 +143,36 @@ def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
     np.testing.assert_array_equal(np.asarray(cm.pos), np.asarray(lowbit.pos))
 
 
+def test_int4_codes_dequantize_to_the_same_keys_and_values():
+    """`to_channel_major(native=True)`: each int4 code + 8 is the token-major code, and the
+    statistics (scale, zero + 8·scale) rebuild every key and value up to the one bfloat16
+    rounding of the adjusted zero; 2-bit codes are refused."""
+    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=2, head_dim=128, cap=130)
+    _, _, cm, (_, lowbit) = _tiers(case, _seed("native-layout"), native=True)
+    assert cm.k.dtype == jnp.int4 and cm.v.dtype == jnp.int4
+    kc = np.asarray(cm.k.astype(jnp.int8), np.float64) + 8  # [B, Hkv, P, Tp, D]
+    np.testing.assert_array_equal(kc, _f32(quant.unpack(lowbit.k, 4)))
+    ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])
+    k_cm = (kc - 8) * ks[:, :, :, None] + kz[:, :, :, None]
+    k_ref = kc * _f32(lowbit.k_scale)[:, :, :, None] + _f32(lowbit.k_zero)[:, :, :, None]
+    bound = 2.0**-8 * (np.abs(kz) + 16 * np.abs(ks))[:, :, :, None] + 1e-6
+    assert np.all(np.abs(k_cm - k_ref) <= bound)
+    d, ng = 128, cm.v_stats.shape[4]
+    vc = np.asarray(cm.v.astype(jnp.int8), np.float64) + 8  # [B, Hkv, P, D, Tp]
+    v_tm = _f32(quant.unpack(lowbit.v, 4))  # [B, Hkv, P, Tp, D]
+    np.testing.assert_array_equal(vc, np.swapaxes(v_tm, -1, -2))
+    vs, vz = _f32(cm.v_stats[:, :, :, 0]), _f32(cm.v_stats[:, :, :, 1])  # [B, Hkv, P, NG, Tp]
+    group = np.arange(d) // (d // ng)
+    v_cm = (vc - 8) * vs[:, :, :, group] + vz[:, :, :, group]
+    v_ref = v_tm.reshape(*lowbit.v.shape[:4], ng, d // ng)
+    v_ref = v_ref * _f32(lowbit.v_scale)[..., None] + _f32(lowbit.v_zero)[..., None]
+    v_ref = np.swapaxes(v_ref.reshape(*lowbit.v.shape[:4], d), -1, -2)
+    bound = 2.0**-8 * (np.abs(vz) + 16 * np.abs(vs))[:, :, :, group] + 1e-6
+    assert np.all(np.abs(v_cm - v_ref) <= bound)
+    with pytest.raises(ValueError, match="bits must be 4"):
+        to_channel_major(lowbit, 2, native=True)
+
+
 def test_unsupported_input_gets_one_clear_error():
     case = Case(dtype="bfloat16", tiers="fp+int4", ratio=4, head_dim=128, cap=130)
     q, q_pos, tier, (_, lowbit) = _tiers(case, 1)
@@ -163,13 +201,22 @@ def make_tiers_page(case: Case, seed: int, page: int):
     return q, q_pos, full, (None, lowbit)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kernel_lowers_for_h200(bits):
+@pytest.mark.parametrize(
+    "bits, codes",
+    [(2, "bytes"), (4, "bytes")] + [(4, f"int4-{load}") for load in INT4_LOADS],
+)
+def test_kernel_lowers_for_h200(bits, codes):
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
+    load = codes.removeprefix("int4-") if codes.startswith("int4") else "upcast2x"
+    if codes.startswith("int4"):
+        k, v = sds((b, hkv, pages, 64, d), jnp.int4), sds((b, hkv, pages, d, 64), jnp.int4)
+    else:
+        k = sds((b, hkv, pages, 64, d * bits // 8), jnp.uint8)
+        v = sds((b, hkv, pages, d, 64 * bits // 8), jnp.uint8)
     tier = ChannelMajorLowBitTier(
-        sds((b, hkv, pages, 64, d * bits // 8), jnp.uint8),
-        sds((b, hkv, pages, d, 64 * bits // 8), jnp.uint8),
+        k,
+        v,
         sds((b, hkv, pages, 2, d), jnp.bfloat16),
         sds((b, hkv, pages, 2, 2, 64), jnp.bfloat16),
         sds((b, hkv, pages, 64), jnp.int32),
@@ -177,7 +224,9 @@ def test_kernel_lowers_for_h200(bits):
     )
     q = jax.ShapeDtypeStruct((b, hkv, g, d), jnp.bfloat16)
     q_pos = jax.ShapeDtypeStruct((b,), jnp.int32)
-    fn = functools.partial(decode_attention_lowbit_mgpu, bits=bits, scale=d**-0.5, num_splits=4)
+    fn = functools.partial(
+        decode_attention_lowbit_mgpu, bits=bits, scale=d**-0.5, num_splits=4, int4_load=load
+    )
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
     assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
