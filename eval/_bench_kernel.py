@@ -34,6 +34,7 @@ ROWS = (
     "pallas-int4-f32stats", "pallas-int2-f32stats",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
+    "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
 )  # fmt: skip
 
 
@@ -253,7 +254,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
             )
             return out(da.combine([p])[0])
 
-        tier = once(f"mgpu-int{bits}" + ("-codes" if native else ""), build)
+        tier = once(f"mgpu-int{bits}" + ("-codes" if native else ""), build)  # one per layout
         return fn, tier, _nbytes(*tier[:5])
 
     cases = {
@@ -274,10 +275,11 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
         cases[f"pallas-int{bits}-f32stats"] = functools.partial(lowbit, bits, True)
         cases[f"mgpu-int{bits}"] = functools.partial(mgpu_lowbit, bits)
-    # int4 arrays (`to_channel_major(native=True)`), each way of loading them (`INT4_LOADS`)
-    cases["mgpu-int4-codes"] = functools.partial(mgpu_lowbit, 4, True, "upcast2x")
-    cases["mgpu-int4-codes-wgmma"] = functools.partial(mgpu_lowbit, 4, True, "wgmma")
-    cases["mgpu-int4-codes-auto"] = functools.partial(mgpu_lowbit, 4, True, "auto")
+        # int4 arrays (`to_channel_major(native=True)`), each way of loading them (INT4_LOADS)
+        for load, suffix in (("upcast2x", ""), ("wgmma", "-wgmma"), ("auto", "-auto")):
+            cases[f"mgpu-int{bits}-codes{suffix}"] = functools.partial(
+                mgpu_lowbit, bits, True, load
+            )
     return cases
 
 

@@ -7,11 +7,13 @@ every byte XOR 0x80, so that masking a code slice and reading it as int8 is line
 shifts do not lower in Mosaic GPU, masks do); statistics pre-multiplied per code slice
 (`kernel_stats`), so that the kernel does no arithmetic on them.
 
-`native=True` (4 bits only) stores the codes as JAX `int4` arrays instead: keys [.., Tp, D] and
-values [.., D, Tp] two to a byte in their natural order, each code minus 8 (so the signed value
-is linear in it), the statistics (scale, zero + 8·scale). Mosaic GPU converts int4 registers to
+`native=True` stores the codes as JAX `int4` arrays instead, which Mosaic GPU converts to
 bfloat16 without a conversion instruction (a byte permute, a mask-or and a bfloat16 subtract
-for two values), where the byte layout above needs an int8 → bfloat16 conversion per value.
+for two values), where the byte layout above needs an int8 → bfloat16 conversion per value. The
+same scheme one level down: a nibble holds 4/bits code slices (4 bits: one code; 2 bits: channel
+c and c + D/2 of a key, channel c and c + 64 of a value), every nibble XOR 8 so that a masked
+top slice read as signed int4 is linear, statistics per slice by `kernel_stats`. Keys
+[.., Tp, D·bits/4], values [.., D·bits/4, Tp]; at 2 bits D = 128 with value groups of 64.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def _pack_tokens(codes: Array, bits: int) -> Array:
     return out
 
 
-def kernel_stats(scale: Array, zero: Array, slice_of: Array, bits: int) -> Array:
+def kernel_stats(
+    scale: Array, zero: Array, slice_of: Array, bits: int, slices: int | None = None
+) -> Array:
     """(scale, zero) as the kernel applies them to `_slice`'s values, stacked on a new axis -2,
     bfloat16: scale·2^-(c·bits) and zero (+ 2^(bits-1)·scale for the top slice, whose codes
     are stored sign-flipped). Computed in float32 and rounded once.
@@ -46,48 +50,65 @@ def kernel_stats(scale: Array, zero: Array, slice_of: Array, bits: int) -> Array
         scale, zero: [..., N] float statistics of N channels (keys) or tokens (values).
         slice_of: [N] int32, the code slice c that each of the N lies in.
         bits: 2 or 4.
+        slices: code slices a stored word (8/bits a byte, the default; 4/bits a nibble).
     """
     scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
     lead = (1,) * (scale.ndim - 1)
-    top = (slice_of == 8 // bits - 1).astype(jnp.float32).reshape(*lead, -1)
+    top = (slice_of == (slices or 8 // bits) - 1).astype(jnp.float32).reshape(*lead, -1)
     s = scale * jnp.exp2(-(slice_of * bits).astype(jnp.float32)).reshape(*lead, -1)
     z = zero + top * float(1 << (bits - 1)) * scale
     return jnp.stack([s, z], axis=-2).astype(jnp.bfloat16)
 
 
-def native_stats(scale: Array, zero: Array, bits: int) -> Array:
-    """(scale, zero + 2^(bits-1)·scale) stacked on a new axis -2, bfloat16: the statistics of
-    codes stored minus 2^(bits-1) (signed), computed in float32 and rounded once."""
-    scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
-    return jnp.stack([scale, zero + float(1 << (bits - 1)) * scale], axis=-2).astype(jnp.bfloat16)
+NIBBLE_SIGN = 8  # XOR of every stored int4 code: its top code slice held sign-flipped
 
 
-def _native_codes(codes: Array, bits: int) -> Array:
-    """Unsigned codes → signed int4 codes minus 2^(bits-1)."""
-    return (codes.astype(jnp.int8) - jnp.int8(1 << (bits - 1))).astype(jnp.int4)
+def _nibbles(codes: Array, bits: int, axis: int) -> Array:
+    """Unsigned codes → int4 codes, 4/bits of them a nibble: slice i of `axis` (split in
+    4/bits) at bits i·bits, every nibble XOR 8 and read as signed (so the top slice is linear
+    in its code, as `SIGN` does for bytes)."""
+    parts = jnp.split(codes.astype(jnp.int8), 4 // bits, axis=axis)
+    nib = parts[0]
+    for i in range(1, len(parts)):
+        nib = nib | (parts[i] << jnp.int8(i * bits))
+    nib = nib ^ jnp.int8(NIBBLE_SIGN)
+    return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.int4)
+
+
+def _native(tier: LowBitTier, bits: int) -> ChannelMajorLowBitTier:
+    """`to_channel_major(native=True)`: the codes as int4 arrays (module docstring)."""
+    d = tier.k_scale.shape[-1]
+    ng = tier.v_scale.shape[-1]
+    n = 4 // bits  # code slices a nibble
+    if bits == 2 and (d != 128 or ng != 2):
+        raise ValueError(
+            "to_channel_major(native=True) at 2 bits needs D = 128 and value groups of 64 "
+            f"channels (each 64-channel half one slice of a nibble), got D={d} and {ng} groups"
+        )
+    kcodes = unpack_codes(tier.k, bits)  # [B, Hkv, P, Tp, D]
+    vcodes = jnp.swapaxes(unpack_codes(tier.v, bits), -1, -2)  # [B, Hkv, P, D, Tp]
+    chan = jnp.arange(d, dtype=jnp.int32) // (d // n)
+    # Values: at 4 bits the whole page; at 2 bits a nibble holds channel c and c + 64 (the
+    # kernel's two 64-channel halves, each its own value group: slice = group).
+    vslice = jnp.zeros((ng,), jnp.int32) if n == 1 else jnp.arange(ng, dtype=jnp.int32)
+    v_stats = kernel_stats(tier.v_scale, tier.v_zero, vslice, bits, slices=n)  # [.., Tp, 2, NG]
+    return ChannelMajorLowBitTier(
+        _nibbles(kcodes, bits, axis=-1),  # [B, Hkv, P, Tp, D·bits/4]
+        _nibbles(vcodes, bits, axis=-2),  # [B, Hkv, P, D·bits/4, Tp]
+        kernel_stats(tier.k_scale, tier.k_zero, chan, bits, slices=n),  # [B, Hkv, P, 2, D]
+        jnp.moveaxis(v_stats, -3, -1),  # [.., Tp, 2, NG] → [B, Hkv, P, 2, NG, Tp]
+        tier.pos,
+        tier.extent,
+    )
 
 
 def to_channel_major(
     tier: LowBitTier, bits: int, *, native: bool = False
 ) -> ChannelMajorLowBitTier:
     """The same tokens and codes in the Mosaic GPU kernel's layout, statistics kernel-ready
-    (`native`: int4 arrays, 4 bits only; module docstring)."""
+    (`native`: int4 arrays; module docstring)."""
     if native:
-        if bits != 4:
-            raise ValueError(
-                f"to_channel_major(native=True) stores int4 codes: bits must be 4, not {bits}"
-            )
-        kcodes = unpack_codes(tier.k, bits)  # [B, Hkv, P, Tp, D]
-        vcodes = jnp.swapaxes(unpack_codes(tier.v, bits), -1, -2)  # [B, Hkv, P, D, Tp]
-        vsc, vze = (jnp.swapaxes(x, -1, -2) for x in (tier.v_scale, tier.v_zero))  # [.., NG, Tp]
-        return ChannelMajorLowBitTier(
-            _native_codes(kcodes, bits),
-            _native_codes(vcodes, bits),
-            native_stats(tier.k_scale, tier.k_zero, bits),
-            jnp.swapaxes(native_stats(vsc, vze, bits), -2, -3),
-            tier.pos,
-            tier.extent,
-        )
+        return _native(tier, bits)
     d, tp = tier.k_scale.shape[-1], tier.k.shape[3]
     n = 8 // bits
     chan = jnp.arange(d, dtype=jnp.int32) // (d // n)

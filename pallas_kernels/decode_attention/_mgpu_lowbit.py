@@ -54,18 +54,24 @@ def _slice(packed: Array, c: int, bits: int) -> Array:
 INT4_LOADS = ("upcast2x", "wgmma", "auto")  # how `_native` loads int4 codes (a tuning knob)
 
 
-def _native(ref, load: str) -> Array:
+def _native(ref, load: str, bits: int, c: int) -> Array:
     """An int4 tile of shared memory as bfloat16 in the wgmma A layout, converted by Mosaic
     GPU's int4 → bfloat16 path (a byte permute, a mask-or and a bfloat16 subtract for two
     values). `load`: "upcast2x" loads four codes a thread-vector (WGMMA_UPCAST_2X, the layout
     Mosaic GPU keeps for narrow operands of a dot) and moves the bfloat16 values to the wgmma
     layout after the conversion; "wgmma" loads in the wgmma layout itself (two codes a
     vector); "auto" leaves the layout to Mosaic GPU's inference. (WGMMA_UPCAST_4X, eight codes
-    a vector, does not load from these tiles in JAX 0.11.2.)"""
+    a vector, does not load from these tiles in JAX 0.11.2.) At 2 bits a nibble holds two code
+    slices: slice c is one mask of it (`to_channel_major(native=True)`)."""
     if load == "auto":
-        return ref[...].astype(jnp.bfloat16)
-    lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
-    x = plgpu.load(ref, layout=lay, optimized=True).astype(jnp.bfloat16)
+        x = ref[...]
+    else:
+        lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
+        x = plgpu.load(ref, layout=lay, optimized=True)
+    if bits == 2:  # code slice c of the nibble, where it lies (NIBBLE_SIGN: top slice linear)
+        mask = ((1 << bits) - 1) << (c * bits)
+        x = x & jnp.int4(mask - 16 if mask >= 8 else mask)
+    x = x.astype(jnp.bfloat16)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
 
 
@@ -91,6 +97,8 @@ def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
         return f"value groups of {d // ng} channels (needs a multiple of 64)"
     if q.shape[2] > COLS:
         return f"{q.shape[2]} query heads per KV head (at most {COLS})"
+    if tier.k.dtype == jnp.int4 and tier.k.shape[-1] * 2 == d and (d != 128 or ng != 2):
+        return f"2-bit int4 codes with D={d} and {ng} value groups (need D=128, 2 groups)"
     return None
 
 
@@ -133,7 +141,7 @@ def _kernel(
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     pages_cap = k_ref.shape[2]
     cols, d = q_ref.shape[2:]
-    n = 1 if native else 8 // bits
+    n = (4 if native else 8) // bits  # code slices a stored nibble (native) or byte
     w = d // n  # channels per key code slice
     ng = vs_ref.shape[4]
     halves = d // 64
@@ -188,7 +196,7 @@ def _kernel(
                     plgpu.load(ks_smem.at[slot, j, pl.ds(c * w, w)], layout=col, optimized=True)
                     for j in range(2)
                 ]  # fmt: skip
-                code = _native(kc, int4_load) if native else _slice(kc, c, bits)
+                code = _native(kc, int4_load, bits, c) if native else _slice(kc, c, bits)
                 kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
                 keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
             keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
@@ -217,11 +225,11 @@ def _kernel(
 
         def pv(*o_refs):
             for r, o_ref_ in enumerate(o_refs):
-                vc = v_smem.at[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
-                if native:  # [64 channels, 64 tokens] int4
-                    codes = _native(vc, int4_load)
+                if native:  # [64 channels, 64 tokens] int4 (2 bits: half r is nibble slice r)
+                    rows = pl.ds(r * 64, 64) if bits == 4 else pl.ds(0, 64)
+                    codes = _native(v_smem.at[slot, rows], int4_load, bits, r)
                 else:
-                    vc = vc[...]
+                    vc = v_smem[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
                     codes = [_slice(vc, c, bits) for c in range(n)]  # slice c: tokens c·64/n …
                     codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]  # [64, 64]
                 plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r]].T)
@@ -310,7 +318,10 @@ def decode_attention_lowbit_mgpu(
     ng = tier.v_stats.shape[4]
     native = tier.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
-        codes = [_int4_tile((stages, PAGE, d)), _int4_tile((stages, d, PAGE))]
+        codes = [
+            _int4_tile((stages, PAGE, d * bits // 4)),
+            _int4_tile((stages, d * bits // 4, PAGE)),
+        ]
     else:
         kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
         codes = [

@@ -111,10 +111,10 @@ class ChannelMajorLowBitTier(NamedTuple):
         pos: [B, Hkv, P, Tp] int32, -1 = not attended.
         extent: [B, Hkv] int32, one past the last page with an attended token.
 
-    With `to_channel_major(native=True)` (4 bits), k is [B, Hkv, P, Tp, D] and v
-    [B, Hkv, P, D, Tp] `int4` arrays of the codes minus 8, and both statistics are
-    (scale, zero + 8·scale): Mosaic GPU converts int4 registers to bfloat16 without a
-    conversion instruction.
+    With `to_channel_major(native=True)`, k is [B, Hkv, P, Tp, D·bits/4] and v
+    [B, Hkv, P, D·bits/4, Tp] `int4` arrays, 4/bits code slices a nibble, every nibble XOR 8
+    (statistics as above, per nibble slice): Mosaic GPU converts int4 registers to bfloat16
+    without a conversion instruction.
     """
 
     k: Array

@@ -123,11 +123,9 @@ def check_channel_major(tier, q, bits: int) -> None:
             f"{name}.k", f"must be [B, Hkv, P, Tp, D·bits/8], got {getattr(tier.k, 'shape', None)}"
         )
     pages, tp, dp = tier.k.shape[2:]
-    if tier.k.dtype == jnp.int4:  # to_channel_major(native=True): a code per element
-        if bits != 4:
-            _fail(f"{name}.k", f"holds int4 codes, but bits={bits}")
-        _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, d), (jnp.int4,))
-        _expect(f"{name}.v", tier.v, (b, hkv, pages, d, tp), (jnp.int4,))
+    if tier.k.dtype == jnp.int4:  # to_channel_major(native=True): 4/bits codes a nibble
+        _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, d * bits // 4), (jnp.int4,))
+        _expect(f"{name}.v", tier.v, (b, hkv, pages, d * bits // 4, tp), (jnp.int4,))
     elif dp * 8 != d * bits:
         _fail(f"{name}.k", f"packed width {dp} does not hold D={d} channels at {bits} bits")
     elif tp * bits % 8:

@@ -66,7 +66,8 @@ class TestMgpuLowbit:
     @pytest.mark.parametrize("splits", [1, 3])
     @pytest.mark.parametrize(
         "case, native",
-        [(c, False) for c in CASES] + [(c, True) for c in CASES if c.bits == 4],
+        [(c, False) for c in CASES]
+        + [(c, True) for c in CASES if c.bits == 4 or c.head_dim == 128],
         ids=lambda x: f"{x.tiers}-g{x.ratio}-d{x.head_dim}" if isinstance(x, Case) else
         ("int4codes" if x else "bytes"),
     )  # fmt: skip
@@ -143,34 +144,48 @@ def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
     np.testing.assert_array_equal(np.asarray(cm.pos), np.asarray(lowbit.pos))
 
 
-def test_int4_codes_dequantize_to_the_same_keys_and_values():
-    """`to_channel_major(native=True)`: each int4 code + 8 is the token-major code, and the
-    statistics (scale, zero + 8·scale) rebuild every key and value up to the one bfloat16
-    rounding of the adjusted zero; 2-bit codes are refused."""
-    case = Case(dtype="bfloat16", tiers="fp+int4", ratio=2, head_dim=128, cap=130)
-    _, _, cm, (_, lowbit) = _tiers(case, _seed("native-layout"), native=True)
+def _nibble_slices(codes, bits: int, axis: int) -> np.ndarray:
+    """What the kernel reads from int4 codes: each nibble slice c (one mask, read as signed
+    int4) concatenated along `axis` (slice c holds that axis's c-th part)."""
+    u = np.asarray(codes.astype(jnp.int8)).astype(np.int64) & 0xF
+    out = []
+    for c in range(4 // bits):
+        v = u & (((1 << bits) - 1) << (c * bits))
+        out.append(np.where(v >= 8, v - 16, v).astype(np.float64))
+    return np.concatenate(out, axis=axis)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_int4_codes_dequantize_to_the_same_keys_and_values(bits):
+    """`to_channel_major(native=True)`: every key and value rebuilt as the kernel reads int4
+    codes (nibble slices by mask, read as signed int4, `kernel_stats` per slice) equals the
+    token-major tier's dequantized one up to the one bfloat16 rounding of the adjusted zero;
+    2-bit codes need D = 128 with value groups of 64."""
+    case = Case(dtype="bfloat16", tiers=f"fp+int{bits}", ratio=2, head_dim=128, cap=130)
+    _, _, cm, (_, lowbit) = _tiers(case, _seed("native-layout", bits), native=True)
     assert cm.k.dtype == jnp.int4 and cm.v.dtype == jnp.int4
-    kc = np.asarray(cm.k.astype(jnp.int8), np.float64) + 8  # [B, Hkv, P, Tp, D]
-    np.testing.assert_array_equal(kc, _f32(quant.unpack(lowbit.k, 4)))
-    ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])
-    k_cm = (kc - 8) * ks[:, :, :, None] + kz[:, :, :, None]
-    k_ref = kc * _f32(lowbit.k_scale)[:, :, :, None] + _f32(lowbit.k_zero)[:, :, :, None]
-    bound = 2.0**-8 * (np.abs(kz) + 16 * np.abs(ks))[:, :, :, None] + 1e-6
+    d = 128
+    ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])  # [B, Hkv, P, D]
+    k_cm = _nibble_slices(cm.k, bits, -1) * ks[:, :, :, None] + kz[:, :, :, None]
+    k_ref = _f32(quant.unpack(lowbit.k, bits)) * _f32(lowbit.k_scale)[:, :, :, None]
+    k_ref = k_ref + _f32(lowbit.k_zero)[:, :, :, None]
+    bound = 2.0**-8 * (np.abs(kz) + 2.0**bits * np.abs(ks))[:, :, :, None] + 1e-6
     assert np.all(np.abs(k_cm - k_ref) <= bound)
-    d, ng = 128, cm.v_stats.shape[4]
-    vc = np.asarray(cm.v.astype(jnp.int8), np.float64) + 8  # [B, Hkv, P, D, Tp]
-    v_tm = _f32(quant.unpack(lowbit.v, 4))  # [B, Hkv, P, Tp, D]
-    np.testing.assert_array_equal(vc, np.swapaxes(v_tm, -1, -2))
     vs, vz = _f32(cm.v_stats[:, :, :, 0]), _f32(cm.v_stats[:, :, :, 1])  # [B, Hkv, P, NG, Tp]
+    ng = vs.shape[3]
     group = np.arange(d) // (d // ng)
-    v_cm = (vc - 8) * vs[:, :, :, group] + vz[:, :, :, group]
-    v_ref = v_tm.reshape(*lowbit.v.shape[:4], ng, d // ng)
+    v_cm = _nibble_slices(cm.v, bits, -2)  # [B, Hkv, P, D, Tp]
+    v_cm = v_cm * vs[:, :, :, group] + vz[:, :, :, group]
+    v_ref = _f32(quant.unpack(lowbit.v, bits)).reshape(*lowbit.v.shape[:4], ng, d // ng)
     v_ref = v_ref * _f32(lowbit.v_scale)[..., None] + _f32(lowbit.v_zero)[..., None]
     v_ref = np.swapaxes(v_ref.reshape(*lowbit.v.shape[:4], d), -1, -2)
-    bound = 2.0**-8 * (np.abs(vz) + 16 * np.abs(vs))[:, :, :, group] + 1e-6
+    bound = 2.0**-8 * (np.abs(vz) + 2.0**bits * np.abs(vs))[:, :, :, group] + 1e-6
     assert np.all(np.abs(v_cm - v_ref) <= bound)
-    with pytest.raises(ValueError, match="bits must be 4"):
-        to_channel_major(lowbit, 2, native=True)
+    if bits == 2:
+        small = Case(dtype="bfloat16", tiers="fp+int2", ratio=2, head_dim=64, cap=130)
+        lb = make_tiers(small, 1, page=MGPU_LOWBIT_PAGE, value_group=64)[4]
+        with pytest.raises(ValueError, match="D = 128 and value groups of 64"):
+            to_channel_major(lb, 2, native=True)
 
 
 def test_unsupported_input_gets_one_clear_error():
@@ -203,14 +218,15 @@ def make_tiers_page(case: Case, seed: int, page: int):
 
 @pytest.mark.parametrize(
     "bits, codes",
-    [(2, "bytes"), (4, "bytes")] + [(4, f"int4-{load}") for load in INT4_LOADS],
+    [(2, "bytes"), (4, "bytes")] + [(b, f"int4-{load}") for b in (4, 2) for load in INT4_LOADS],
 )
 def test_kernel_lowers_for_h200(bits, codes):
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
     load = codes.removeprefix("int4-") if codes.startswith("int4") else "upcast2x"
     if codes.startswith("int4"):
-        k, v = sds((b, hkv, pages, 64, d), jnp.int4), sds((b, hkv, pages, d, 64), jnp.int4)
+        k = sds((b, hkv, pages, 64, d * bits // 4), jnp.int4)
+        v = sds((b, hkv, pages, d * bits // 4, 64), jnp.int4)
     else:
         k = sds((b, hkv, pages, 64, d * bits // 8), jnp.uint8)
         v = sds((b, hkv, pages, d, 64 * bits // 8), jnp.uint8)
