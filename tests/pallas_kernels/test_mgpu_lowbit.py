@@ -112,17 +112,33 @@ def _slice_values(packed: np.ndarray, c: int, bits: int) -> np.ndarray:
     return (packed & mask).astype(np.uint8).view(np.int8).astype(np.float64)
 
 
+def _nibble_values(codes: np.ndarray, c: int, bits: int) -> np.ndarray:
+    """What the kernel reads for nibble slice c of int4 codes: one mask, read as signed int4."""
+    v = (codes.astype(np.int64) & 0xF) & (((1 << bits) - 1) << (c * bits))
+    return np.where(v >= 8, v - 16, v).astype(np.float64)
+
+
+@pytest.mark.parametrize("codes", ["bytes", "int4"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
-    """Every key and value, rebuilt from the channel-major layout as its docstring says (slice
-    by mask, read as int8, kernel-ready statistics), equals the token-major tier's dequantized
-    one up to the one bfloat16 rounding of the adjusted zero."""
+def test_channel_major_dequantizes_to_the_same_keys_and_values(bits, codes):
+    """Every key and value, rebuilt from the channel-major layout as the kernel reads it (code
+    slices by mask — of a byte read as int8, or of an int4 nibble (`native=True`) read as
+    signed int4 — and kernel-ready statistics), equals the token-major tier's dequantized one up
+    to the one bfloat16 rounding of the adjusted zero."""
     case = Case(dtype="bfloat16", tiers=f"fp+int{bits}", ratio=2, head_dim=128, cap=130)
-    _, _, cm, (_, lowbit) = _tiers(case, _seed("layout", bits))
-    n, d = 8 // bits, 128
+    native = codes == "int4"
+    _, _, cm, (_, lowbit) = _tiers(case, _seed("layout", bits, codes), native=native)
+    if native:  # a nibble holds 4/bits slices: key channels, value halves (axis -2)
+        assert cm.k.dtype == jnp.int4 and cm.v.dtype == jnp.int4
+        n, read, v_axis = 4 // bits, _nibble_values, -2
+        kc, vc = (np.asarray(x.astype(jnp.int8)) for x in (cm.k, cm.v))
+    else:  # a byte holds 8/bits slices: key channels, value tokens (axis -1)
+        n, read, v_axis = 8 // bits, _slice_values, -1
+        kc, vc = np.asarray(cm.k), np.asarray(cm.v)
+    d = 128
     ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])  # [B, Hkv, P, D]
     k_cm = np.concatenate(
-        [_slice_values(np.asarray(cm.k), c, bits) for c in range(n)], axis=-1
+        [read(kc, c, bits) for c in range(n)], axis=-1
     )  # [B, Hkv, P, Tp, D]: slice c holds channels c·w ... (c+1)·w
     k_cm = k_cm * ks[:, :, :, None] + kz[:, :, :, None]
     k_ref = _f32(quant.unpack(lowbit.k, bits)) * _f32(lowbit.k_scale)[:, :, :, None]
@@ -131,9 +147,7 @@ def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
     assert np.all(np.abs(k_cm - k_ref) <= bound)
     vs, vz = _f32(cm.v_stats[:, :, :, 0]), _f32(cm.v_stats[:, :, :, 1])  # [B, Hkv, P, NG, Tp]
     ng = vs.shape[3]
-    v_cm = np.concatenate(
-        [_slice_values(np.asarray(cm.v), c, bits) for c in range(n)], axis=-1
-    )  # [B, Hkv, P, D, Tp]: slice c holds tokens c·tv ... (c+1)·tv
+    v_cm = np.concatenate([read(vc, c, bits) for c in range(n)], axis=v_axis)  # [.., D, Tp]
     group = np.arange(d) // (d // ng)
     v_cm = v_cm * vs[:, :, :, group] + vz[:, :, :, group]
     v_ref = _f32(quant.unpack(lowbit.v, bits)).reshape(*lowbit.v.shape[:4], ng, d // ng)
@@ -144,48 +158,11 @@ def test_channel_major_dequantizes_to_the_same_keys_and_values(bits):
     np.testing.assert_array_equal(np.asarray(cm.pos), np.asarray(lowbit.pos))
 
 
-def _nibble_slices(codes, bits: int, axis: int) -> np.ndarray:
-    """What the kernel reads from int4 codes: each nibble slice c (one mask, read as signed
-    int4) concatenated along `axis` (slice c holds that axis's c-th part)."""
-    u = np.asarray(codes.astype(jnp.int8)).astype(np.int64) & 0xF
-    out = []
-    for c in range(4 // bits):
-        v = u & (((1 << bits) - 1) << (c * bits))
-        out.append(np.where(v >= 8, v - 16, v).astype(np.float64))
-    return np.concatenate(out, axis=axis)
-
-
-@pytest.mark.parametrize("bits", [4, 2])
-def test_int4_codes_dequantize_to_the_same_keys_and_values(bits):
-    """`to_channel_major(native=True)`: every key and value rebuilt as the kernel reads int4
-    codes (nibble slices by mask, read as signed int4, `kernel_stats` per slice) equals the
-    token-major tier's dequantized one up to the one bfloat16 rounding of the adjusted zero;
-    2-bit codes need D = 128 with value groups of 64."""
-    case = Case(dtype="bfloat16", tiers=f"fp+int{bits}", ratio=2, head_dim=128, cap=130)
-    _, _, cm, (_, lowbit) = _tiers(case, _seed("native-layout", bits), native=True)
-    assert cm.k.dtype == jnp.int4 and cm.v.dtype == jnp.int4
-    d = 128
-    ks, kz = _f32(cm.k_stats[:, :, :, 0]), _f32(cm.k_stats[:, :, :, 1])  # [B, Hkv, P, D]
-    k_cm = _nibble_slices(cm.k, bits, -1) * ks[:, :, :, None] + kz[:, :, :, None]
-    k_ref = _f32(quant.unpack(lowbit.k, bits)) * _f32(lowbit.k_scale)[:, :, :, None]
-    k_ref = k_ref + _f32(lowbit.k_zero)[:, :, :, None]
-    bound = 2.0**-8 * (np.abs(kz) + 2.0**bits * np.abs(ks))[:, :, :, None] + 1e-6
-    assert np.all(np.abs(k_cm - k_ref) <= bound)
-    vs, vz = _f32(cm.v_stats[:, :, :, 0]), _f32(cm.v_stats[:, :, :, 1])  # [B, Hkv, P, NG, Tp]
-    ng = vs.shape[3]
-    group = np.arange(d) // (d // ng)
-    v_cm = _nibble_slices(cm.v, bits, -2)  # [B, Hkv, P, D, Tp]
-    v_cm = v_cm * vs[:, :, :, group] + vz[:, :, :, group]
-    v_ref = _f32(quant.unpack(lowbit.v, bits)).reshape(*lowbit.v.shape[:4], ng, d // ng)
-    v_ref = v_ref * _f32(lowbit.v_scale)[..., None] + _f32(lowbit.v_zero)[..., None]
-    v_ref = np.swapaxes(v_ref.reshape(*lowbit.v.shape[:4], d), -1, -2)
-    bound = 2.0**-8 * (np.abs(vz) + 2.0**bits * np.abs(vs))[:, :, :, group] + 1e-6
-    assert np.all(np.abs(v_cm - v_ref) <= bound)
-    if bits == 2:
-        small = Case(dtype="bfloat16", tiers="fp+int2", ratio=2, head_dim=64, cap=130)
-        lb = make_tiers(small, 1, page=MGPU_LOWBIT_PAGE, value_group=64)[4]
-        with pytest.raises(ValueError, match="D = 128 and value groups of 64"):
-            to_channel_major(lb, 2, native=True)
+def test_int4_codes_at_two_bits_need_d128_and_value_groups_of_64():
+    small = Case(dtype="bfloat16", tiers="fp+int2", ratio=2, head_dim=64, cap=130)
+    lowbit = make_tiers(small, 1, page=MGPU_LOWBIT_PAGE, value_group=64)[4]
+    with pytest.raises(ValueError, match="D = 128 and value groups of 64"):
+        to_channel_major(lowbit, 2, native=True)
 
 
 def test_unsupported_input_gets_one_clear_error():
