@@ -23,6 +23,7 @@ from kvjax.generate import (
     new_cache,
     prefill_cache,
 )
+from kvjax.generate._step import check_scannable
 from kvjax.models import ModelConfig, Params, stack_params
 from kvjax.policies import Policy
 from kvjax.weights import LoadedModel
@@ -154,12 +155,9 @@ def run_niah(
                 f"context length {n} exceeds the model's {config.max_positions} learned positions"
             )
     policies = {n: policy if isinstance(policy, Policy) else policy(n) for n in grid}
-    unscannable = sorted({q.name for q in policies.values() if not q.scans_layers()})
-    if scan_layers and unscannable:
-        raise ValueError(
-            f"run_niah(scan_layers=True): policy {unscannable[0]!r} cannot run in a layer scan "
-            "(per-layer budgets: pyramid); run it with scan_layers=False"
-        )
+    if scan_layers:
+        for q in policies.values():
+            check_scannable(q, "run_niah(scan_layers=True)")
     params = stack_params(model.params) if scan_layers else model.params
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
     gen = GenerateConfig(

@@ -29,14 +29,20 @@ PAGE = 64  # tokens per page: the rows of a warpgroup dot
 SIGN = 0x80  # XOR of every stored byte: the top code slice is held sign-flipped
 
 
+def _pack_split(codes: Array, n: int, bits: int, axis: int) -> Array:
+    """Codes (an integer dtype) packed n a word along `axis`: the axis split in n sub-blocks,
+    sub-block i at bits i·bits of each word."""
+    parts = jnp.split(codes, n, axis=axis)
+    out = parts[0]
+    for i in range(1, n):
+        out = out | (parts[i] << codes.dtype.type(i * bits))
+    return out
+
+
 def _pack_tokens(codes: Array, bits: int) -> Array:
     """[..., T, D] codes → [..., D, T·bits/8] packed along T (sub-block i = bits at i·bits)."""
     ct = jnp.swapaxes(codes, -1, -2).astype(jnp.uint8)  # [..., D, T]
-    parts = jnp.split(ct, 8 // bits, axis=-1)
-    out = parts[0]
-    for i in range(1, len(parts)):
-        out = out | (parts[i] << jnp.uint8(i * bits))
-    return out
+    return _pack_split(ct, 8 // bits, bits, axis=-1)
 
 
 def kernel_stats(
@@ -67,11 +73,7 @@ def _nibbles(codes: Array, bits: int, axis: int) -> Array:
     """Unsigned codes → int4 codes, 4/bits of them a nibble: slice i of `axis` (split in
     4/bits) at bits i·bits, every nibble XOR 8 and read as signed (so the top slice is linear
     in its code, as `SIGN` does for bytes)."""
-    parts = jnp.split(codes.astype(jnp.int8), 4 // bits, axis=axis)
-    nib = parts[0]
-    for i in range(1, len(parts)):
-        nib = nib | (parts[i] << jnp.int8(i * bits))
-    nib = nib ^ jnp.int8(NIBBLE_SIGN)
+    nib = _pack_split(codes.astype(jnp.int8), 4 // bits, bits, axis) ^ jnp.int8(NIBBLE_SIGN)
     return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.int4)
 
 

@@ -35,11 +35,12 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A shared-memory buffer of [..., R, W] tiles laid out for wgmma/TMA: (8, 128 B) tiles with
-    the 128-byte swizzle (W·itemsize must be a multiple of 128 bytes)."""
-    bw = jnp.dtype(dtype).itemsize
-    swz = plgpu.find_swizzle(shape[-1] * bw * 8)
-    tr = (plgpu.TilingTransform((8, swz // bw)), plgpu.SwizzleTransform(swz))
+    """A shared-memory buffer of [..., R, W] tiles laid out for wgmma/TMA: (8, S) tiles, S bytes
+    a tile row, with the S-byte swizzle, S the largest of 128/64/32 dividing a row's W·bits/8
+    (sub-byte dtypes such as int4 by their bits)."""
+    bits = jax.dtypes.itemsize_bits(dtype)
+    swz = plgpu.find_swizzle(shape[-1] * bits)
+    tr = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
     return plgpu.SMEM(shape, dtype, transforms=tr)
 
 

@@ -75,14 +75,6 @@ def _native(ref, load: str, bits: int, c: int) -> Array:
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
 
 
-def _int4_tile(shape: tuple[int, ...]) -> plgpu.SMEM:
-    """Shared memory for [..., R, W] int4 codes: (8, W) tiles of W·4 bits, swizzled by their
-    row's bytes (as Mosaic GPU's mixed-type matmul lays out its narrow operand)."""
-    swz = plgpu.find_swizzle(shape[-1] * 4)
-    tr = (plgpu.TilingTransform((8, swz * 8 // 4)), plgpu.SwizzleTransform(swz))
-    return plgpu.SMEM(shape, jnp.int4, transforms=tr)
-
-
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
     """Why the Mosaic GPU low-bit kernel cannot run this (validated) tier (None if it can)."""
     tp, d = tier.k.shape[3], q.shape[3]
@@ -131,7 +123,8 @@ def _kernel(
     int4_load: str = "upcast2x",
 ):
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
-    # bfloat16 path (permute, mask-or, subtract: no conversion instruction); one slice.
+    # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
+    # nibble.
     if interpret:
         ka_smem, va_smem, *bars = stage
     else:
@@ -186,7 +179,7 @@ def _kernel(
         pos = plgpu.load(pos_smem.at[slot], layout=row, optimized=True)
 
         def qk(s_ref):
-            # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D] int4 ref)
+            # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 ref)
             kc = k_smem.at[slot] if native else k_smem[slot]
             keys = []
             for c in range(n):  # slice c: channels c·w ... (c+1)·w
@@ -283,8 +276,8 @@ def decode_attention_lowbit_mgpu(
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
         tier: ChannelMajorLowBitTier of `bits`-bit codes in 64-token pages: packed bytes, or
-            int4 codes (`to_channel_major(native=True)`, bits 4), converted by Mosaic GPU's
-            int4 → bfloat16 path.
+            int4 codes (`to_channel_major(native=True)`; 2 bits: D = 128, 2 value groups),
+            converted by Mosaic GPU's int4 → bfloat16 path.
         q_pos: [B] int32 query positions.
         bits: 2 or 4.
         scale: logit scale.
@@ -319,8 +312,8 @@ def decode_attention_lowbit_mgpu(
     native = tier.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
         codes = [
-            _int4_tile((stages, PAGE, d * bits // 4)),
-            _int4_tile((stages, d * bits // 4, PAGE)),
+            smem_tile((stages, PAGE, d * bits // 4), jnp.int4),
+            smem_tile((stages, d * bits // 4, PAGE), jnp.int4),
         ]
     else:
         kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
