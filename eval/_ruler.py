@@ -18,6 +18,7 @@ import numpy as np
 from kvjax.generate import GenerateConfig, generate_from_cache
 from kvjax.models import Params, stack_params
 from kvjax.policies import (
+    ADAKV_PREFIX,
     BUDGETLESS,
     NEEDS_LAYERS,
     POLICIES,
@@ -60,9 +61,6 @@ def check_ruler_args(
         raise ValueError(f"compression ratios must be in [0, 1), got {list(ratios)}")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-
-
-ADAKV_PREFIX = "adakv-"  # `adakv-<press>`: adakv over that press (as `kvjax compare`'s rows)
 
 
 @functools.cache

@@ -24,7 +24,13 @@ from kvjax.policies._pyramidkv import PyramidKVPolicy
 from kvjax.policies._qevict import QEvictPolicy
 from kvjax.policies._random import RandomPolicy
 from kvjax.policies._ranked import RankedPolicy
-from kvjax.policies._registry import BUDGETLESS, NEEDS_LAYERS, POLICIES, make_policy
+from kvjax.policies._registry import (
+    ADAKV_PREFIX,
+    BUDGETLESS,
+    NEEDS_LAYERS,
+    POLICIES,
+    make_policy,
+)
 from kvjax.policies._snapkv import SnapKVPolicy
 from kvjax.policies._streaming import StreamingPolicy
 from kvjax.policies._tova import TOVAPolicy
@@ -51,6 +57,7 @@ TOVA = TOVAPolicy
 Window = WindowPolicy
 
 __all__ = [
+    "ADAKV_PREFIX",
     "AdaKV",
     "ChunkKV",
     "ConfKV",

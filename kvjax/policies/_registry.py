@@ -75,6 +75,8 @@ def _adakv(
 
 
 POLICIES["adakv"] = _adakv  # type: ignore[assignment]
+# `adakv-<press>`: adakv over that press, each with its defaults (as `kvjax ruler`/`compare` rows).
+ADAKV_PREFIX = "adakv-"
 
 
 def make_policy(
@@ -83,7 +85,7 @@ def make_policy(
     """Build a policy by name.
 
     Args:
-        name: one of POLICIES.
+        name: one of POLICIES, or `adakv-<press>` (`adakv` with `press=<press>`).
         budget: tokens kept per KV head per layer; required by every policy except `full`.
         num_layers: the model's layer count (per-layer budgets, e.g. confkv-l). None: the
             policy takes it from the model when it runs (`kvjax.generate`, `new_cache`,
@@ -93,8 +95,18 @@ def make_policy(
     Raises:
         ValueError: unknown name, missing/unexpected budget, or invalid hyperparameters.
     """
+    if name.startswith(ADAKV_PREFIX):
+        press = name[len(ADAKV_PREFIX) :]
+        if kwargs.setdefault("press", press) != press:
+            raise ValueError(
+                f"policy {name!r} wraps {press!r}; it was also given press={kwargs['press']!r}"
+            )
+        return make_policy("adakv", budget, num_layers=num_layers, **kwargs)
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of {sorted(POLICIES)} or "
+            f"{ADAKV_PREFIX}<press> (adakv over that press)"
+        )
     cls = POLICIES[name]
     if "position_shift" in kwargs and name != "adakv" and not _has_field(cls, "position_shift"):
         raise ValueError(

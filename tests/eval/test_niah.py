@@ -394,3 +394,10 @@ def test_cli_ratios_run_each_budgeted_policy_per_ratio_and_full_once():
     assert build_parser().parse_args(["niah", "--scan-layers"]).scan_layers
     assert _at_ratio("h2o", 0.875, args)(1024).budget == 128
     assert _at_ratio("h2o", 0.5, args)(2048).budget == 1024
+    # `adakv-<press>` names (as `kvjax ruler`'s rows) build adakv over that press
+    args = build_parser().parse_args(
+        ["niah", "--policy", "adakv-keydiff", "--ratios", "0.75", "--lengths", "1024"]
+    )
+    assert _runs(args) == [("adakv-keydiff", 0.75)]
+    p = _at_ratio("adakv-keydiff", 0.75, args)(1024)
+    assert (p.name, p.press.name, p.budget) == ("adakv", "keydiff", 256)

@@ -236,3 +236,24 @@ def test_a_per_head_cache_is_refused():
     )
     with pytest.raises(ValueError, match="pooled caches"):
         policy.write(layer, None, None, None, None, None, None, layer_index=0)
+
+
+@pytest.mark.parametrize("press", ["kvzip", "keydiff", "h2o"])
+def test_adakv_dash_press_is_adakv_over_that_press(press):
+    named = make_policy(f"adakv-{press}", 300, num_layers=2)
+    assert named == make_policy("adakv", 300, press=press, num_layers=2)
+    assert named.press.name == press
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,match",
+    [
+        ("adakv-nope", {}, "unknown press 'nope'"),
+        ("adakv-", {}, "unknown press ''"),
+        ("adakv-kvzip", {"press": "h2o"}, "wraps 'kvzip'; it was also given press='h2o'"),
+        ("adakv-confkv", {}, "fixed budget"),
+    ],
+)
+def test_bad_adakv_dash_names_are_refused(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy(name, 300, **kwargs)
