@@ -1,8 +1,12 @@
 """Needle in a haystack through a policy's cache: a grid of context lengths × needle depths.
 
-Two protocols, never mixed: *query-aware* streams context and question together through chunked
-prefill (a policy may use the question's attention); *query-agnostic* prefills (compresses) the
-context alone, then appends the question. Prompts and scoring: `_niah_prompt`.
+Three protocols, never mixed. Two run the policy's bounded cache all along: *query-aware* streams
+context and question together through chunked prefill (a policy may use the question's attention);
+*query-agnostic* prefills (compresses) the context alone, then appends the question, which (and
+the answer) may evict context. *press* is kvpress's: the whole context is compressed once
+(`press_context`: KVzip's reconstruction passes, ExpectedAttention's statistics, any other policy
+with the whole context as one chunk), then question and answer append without evicting any of it
+(full-precision policies only, as RULER's grid). Prompts and scoring: `_niah_prompt`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from ._niah_prompt import (
     haystack_text,
     score_niah_answer,
 )
+from ._press import is_tiered, press_context
+from ._ruler import PRESS_BUCKET, answer_room, kvzip_ids
 
 Array = jax.Array
 
@@ -110,7 +116,7 @@ def run_niah(
             length, e.g. a compression ratio's: `budget_from_compression(ratio, length)`).
         lengths: context lengths in tokens (prompt + answer fit in each).
         depths: needle depths in percent of the haystack, in [0, 100].
-        protocol: NiahProtocol or its value ("query-aware", "query-agnostic").
+        protocol: NiahProtocol or its value ("query-aware", "query-agnostic", "press").
         label: the policy's name in the result (default policy.name; e.g. a preset's name).
         budget: recorded in the result only.
         ratio: recorded in the result only (with each length's budget, when `policy` is a
@@ -120,14 +126,16 @@ def run_niah(
             shape (`shared_buckets`), so every cell of a shape reuses one compilation.
         haystack: text instead of the essays (tests).
         on_cell: called after each cell (progress bars).
-        scan_layers: run the layers in one `lax.scan` over a stacked cache, both protocols
-            (`GenerateConfig.scan_layers`): each cache shape compiles one layer, not one per
-            layer; the same answers and live bytes. Params are stacked once here (no copy
-            when `model.params` already are: `stack_params`).
+        scan_layers: run the layers in one `lax.scan` over a stacked cache, both bounded
+            protocols (`GenerateConfig.scan_layers`): each cache shape compiles one layer, not
+            one per layer; the same answers and live bytes. Params are stacked once here (no
+            copy when `model.params` already are: `stack_params`). `press` scans its prefill
+            wherever the policy allows one, whatever this says.
 
     Raises:
         ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack;
-            `scan_layers` with a policy of per-layer budgets (pyramid), before any cell runs.
+            `scan_layers` with a policy of per-layer budgets (pyramid) under a bounded protocol,
+            a tiered (INT8/low-bit) policy under `press`; before any cell runs.
     """
     if protocol not in tuple(NiahProtocol):
         raise ValueError(
@@ -155,11 +163,25 @@ def run_niah(
                 f"context length {n} exceeds the model's {config.max_positions} learned positions"
             )
     policies = {n: policy if isinstance(policy, Policy) else policy(n) for n in grid}
-    if scan_layers:
+    dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+    press = protocol is NiahProtocol.PRESS
+    if press and not isinstance(model.params.layers, tuple):
+        raise ValueError(
+            "protocol 'press' needs the model's per-layer params (model.params are stacked); "
+            "run_niah stacks them itself"
+        )
+    if press:
+        for n, q in policies.items():
+            if is_tiered(cache_spec_for(config, q, batch=1, max_len=n, dtype=dtype)):
+                raise ValueError(
+                    f"protocol 'press' keeps full-precision tokens; policy {q.name!r} is tiered "
+                    "(INT8/low-bit): run it under query-aware or query-agnostic"
+                )
+        press_ids = kvzip_ids(model) if any(_is_kvzip(q) for q in policies.values()) else {}
+    elif scan_layers:
         for q in policies.values():
             check_scannable(q, "run_niah(scan_layers=True)")
-    params = stack_params(model.params) if scan_layers else model.params
-    dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+    params = stack_params(model.params) if scan_layers or press else model.params
     gen = GenerateConfig(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
     )
@@ -172,10 +194,13 @@ def run_niah(
         bucket = buckets[n][1]
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
-            empty = new_cache(
-                config, policies[n], batch=1, max_len=n, dtype=dtype, stacked=scan_layers
-            )
-            ids, cache = _answer(config, params, policies[n], gen, empty, p, protocol, bucket)
+            if press:
+                ids, cache = _answer_pressed(model, params, policies[n], gen, p, press_ids)
+            else:
+                empty = new_cache(
+                    config, policies[n], batch=1, max_len=n, dtype=dtype, stacked=scan_layers
+                )
+                ids, cache = _answer(config, params, policies[n], gen, empty, p, protocol, bucket)
             answer = tok.decode(ids, skip_special=True)
             score, soft = score_niah_answer(answer)
             cells.append(
@@ -230,6 +255,48 @@ def shared_buckets(
         longest = max(m for m, other in specs.items() if other == spec)
         out[n] = (spec, -(-longest // chunk_size) * chunk_size)
     return out
+
+
+def _is_kvzip(policy: Policy) -> bool:
+    return getattr(policy, "press", policy).name == "kvzip"  # adakv over kvzip too
+
+
+def _answer_pressed(
+    model: LoadedModel,
+    scan_params: Params,
+    policy: Policy,
+    gen: GenerateConfig,
+    p: NiahPrompt,
+    press_ids: dict[str, list[int]],
+) -> tuple[list[int], Cache]:
+    """One cell under kvpress's protocol (as `kvjax ruler`'s samples): the context compressed
+    once, then question and answer in the append-only cache; its answer ids and final cache.
+    Shapes are bucketed so the cells of one length share their compiled steps."""
+    config, s = model.config, len(p.context)
+    room = answer_room(len(p.question), gen.max_new_tokens)
+    pressed = press_context(
+        config,
+        model.params,
+        policy,
+        p.context,
+        room=room,
+        dtype=jax.tree_util.tree_leaves(model.params)[0].dtype,
+        min_slots=-(-(s + room) // PRESS_BUCKET) * PRESS_BUCKET,
+        chunk_multiple=PRESS_BUCKET,
+        scan_params=scan_params,
+        **(press_ids if _is_kvzip(policy) else {}),
+    )
+    tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
+    res, cache = generate_from_cache(
+        config,
+        pressed.policy,
+        tail,
+        model.params,
+        pressed.cache,
+        *_padded(p.question, tail.chunk_size),
+        jax.random.key(0),
+    )
+    return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache
 
 
 def _padded(ids: list[int], size: int) -> tuple[Array, Array]:

@@ -40,6 +40,8 @@ class NiahProtocol(enum.StrEnum):
 
     QUERY_AWARE = "query-aware"  # context + question stream in together
     QUERY_AGNOSTIC = "query-agnostic"  # context compressed first, question appended after
+    # kvpress's: the context compressed once, then question and answer append without evicting
+    PRESS = "press"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

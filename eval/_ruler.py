@@ -149,7 +149,7 @@ def answer_room(question: int, max_new_tokens: int) -> int:
 # context + room slots rounded up at every ratio (its free slots are never attended), the
 # prefill pads the context to a multiple of it, so the cells of one length share their
 # compiled steps.
-_BUCKET = 256
+PRESS_BUCKET = 256
 
 
 def _round_up(n: int, m: int) -> int:
@@ -181,8 +181,8 @@ def answer(
         policy,
         sample.context,
         room=room,
-        min_slots=_round_up(s + room, _BUCKET),
-        chunk_multiple=_BUCKET,
+        min_slots=_round_up(s + room, PRESS_BUCKET),
+        chunk_multiple=PRESS_BUCKET,
         scan_params=scan_params,
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )

@@ -20,7 +20,9 @@ from kvjax.policies import BUDGETLESS
 _PROTOCOLS = {
     "query-aware": ("query-aware",),
     "query-agnostic": ("query-agnostic",),
+    "press": ("press",),
     "both": ("query-agnostic", "query-aware"),
+    "all": ("query-agnostic", "query-aware", "press"),
 }
 
 
@@ -47,8 +49,11 @@ def register(sub) -> None:
         "--protocol",
         choices=sorted(_PROTOCOLS),
         default="both",
-        help="query-aware: question streamed with the context; query-agnostic: "
-        "context compressed first, question appended after",
+        help="query-aware: question streamed with the context through the bounded cache; "
+        "query-agnostic: context compressed first, then the question appended (it may evict "
+        "context); press: kvpress's protocol, the context compressed once, then question and "
+        "answer append without evicting it (full-precision policies); both: the two bounded "
+        "ones; all: the three",
     )
     p.add_argument(
         "--ratios",
@@ -83,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
     model = load(args)
     if args.scan_layers:
         _runs(args, model.config.num_layers)  # per-layer budgets need the layer count
-        # once for every run; the per-layer copy is dropped
-        model = dataclasses.replace(model, params=stack_params(model.params))
+        if "press" not in protocols:  # press reads the per-layer params too (run_niah stacks)
+            # once for every run; the per-layer copy is dropped
+            model = dataclasses.replace(model, params=stack_params(model.params))
     n_cells = len(runs) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
     with tqdm(total=n_cells, desc="niah", unit="cell") as bar:

@@ -253,7 +253,7 @@ def test_lengths_of_one_cache_shape_share_one_compiled_step(tiny_model):
         assert (cell.answer_tokens, cell.live_kv_bytes) == (ref.answer_tokens, ref.live_kv_bytes)
 
 
-@pytest.mark.parametrize("protocol", list(NiahProtocol))
+@pytest.mark.parametrize("protocol", [NiahProtocol.QUERY_AWARE, NiahProtocol.QUERY_AGNOSTIC])
 def test_scanned_grid_equals_unrolled(tiny_model, protocol):
     """scan_layers: a stacked cache and stacked params, the same answers, scores and live bytes
     as the unrolled grid, for a ratio's per-length policies."""
@@ -295,6 +295,73 @@ def test_scan_layers_refuses_per_layer_budgets(tiny_model):
             scan_layers=True,
             on_cell=lambda _: pytest.fail("a cell ran"),
         )
+
+
+TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # L·Hkv·D·(K,V)·float32 of the tiny Llama
+
+
+def _written(c):
+    """Tokens a cell's answer wrote into the cache (a final stop token is not written)."""
+    return len(c.answer_tokens) - (c.answer_tokens[-1] == EOS)
+
+
+def test_press_full_cache_equals_the_bounded_protocols(tiny_model, agnostic):
+    """kvpress's protocol with the full cache keeps everything: the answers and live bytes of
+    the bounded protocols."""
+    pressed = _run(tiny_model, NiahProtocol.PRESS)
+    assert pressed.protocol == "press"
+    assert [c.answer_tokens for c in pressed.cells] == [c.answer_tokens for c in agnostic.cells]
+    assert [c.live_kv_bytes for c in pressed.cells] == [c.live_kv_bytes for c in agnostic.cells]
+
+
+@pytest.mark.parametrize("policy", ["window", "h2o", "kvzip", "expected", "adakv-kvzip"])
+def test_press_keeps_budget_minus_one_context_tokens_then_appends(tiny_model, policy):
+    """Under `press` the context is compressed once to budget − 1 tokens per KV head, then the
+    question and the answer append without evicting: live bytes = those + the current token.
+    (Under query-agnostic the same budget bounds the whole cache.) kvzip runs its
+    reconstruction passes (their prompts from the tokenizer), adakv-kvzip pools them."""
+    budget = 96
+    kw = {"num_layers": tiny_model.config.num_layers}
+    r = run_niah(
+        tiny_model,
+        make_policy(policy, budget, **(kw if policy.startswith("adakv") else {})),
+        lengths=[384],
+        depths=[0, 100],
+        protocol="press",
+        max_new_tokens=6,
+        chunk_size=128,
+        haystack=HAYSTACK,
+    )
+    p = build_niah_prompt(
+        tiny_model.tokenizer, tiny_model.tokenizer.encode(HAYSTACK), length=384, depth=0
+    )
+    for c in r.cells:
+        kept = budget - 1 + len(p.question) + _written(c)
+        assert c.live_kv_bytes == (kept + 1) * TOKEN_BYTES, policy
+    bounded = _run(tiny_model, "query-agnostic", policy="window", budget=budget, lengths=(384,))
+    assert bounded.cells[0].live_kv_bytes == budget * TOKEN_BYTES
+
+
+@pytest.mark.parametrize("policy,budget", [("kivi", None), ("qevict", 128), ("confkv", 256)])
+def test_press_refuses_tiered_policies_before_any_cell(tiny_model, policy, budget):
+    with pytest.raises(ValueError, match=f"policy '{policy}' is tiered"):
+        run_niah(
+            tiny_model,
+            make_policy(policy, budget),
+            lengths=[384],
+            depths=[50],
+            protocol="press",
+            haystack=HAYSTACK,
+            on_cell=lambda _: pytest.fail("a cell ran"),
+        )
+
+
+def test_press_refuses_stacked_params(tiny_model):
+    from kvjax.models import stack_params
+
+    stacked = dataclasses.replace(tiny_model, params=stack_params(tiny_model.params))
+    with pytest.raises(ValueError, match="per-layer params"):
+        run_niah(stacked, make_policy("full"), lengths=[384], depths=[50], protocol="press")
 
 
 def test_outputs_written(aware, tmp_path):
@@ -344,6 +411,7 @@ def test_bad_run_input(tiny_model):
     "argv,match",
     [
         (["--policy", "bogus"], "unknown policy"),
+        (["--policy", "kivi", "--protocol", "press"], "policy 'kivi' is tiered"),
         (["--policy", "window"], "needs a budget"),
         (["--depths", "120"], "outside"),
         (["--lengths", "150"], "buffer"),
