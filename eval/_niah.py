@@ -46,7 +46,7 @@ from ._niah_prompt import (
     haystack_text,
     score_niah_answer,
 )
-from ._press import is_tiered, press_context
+from ._press import PRESS_SCORED, is_tiered, press_context
 from ._ruler import PRESS_BUCKET, answer_room, kvzip_ids
 
 Array = jax.Array
@@ -135,6 +135,7 @@ def run_niah(
     Raises:
         ValueError: bad grid, protocol, or a length that cannot hold the buffer / the haystack;
             `scan_layers` with a policy of per-layer budgets (pyramid) under a bounded protocol,
+            a press-scored policy (kvzip, expected, adakv over them) under a bounded protocol,
             a tiered (INT8/low-bit) policy under `press`; before any cell runs.
     """
     if protocol not in tuple(NiahProtocol):
@@ -178,9 +179,16 @@ def run_niah(
                     "(INT8/low-bit): run it under query-aware or query-agnostic"
                 )
         press_ids = kvzip_ids(model) if any(_is_kvzip(q) for q in policies.values()) else {}
-    elif scan_layers:
+    else:
         for q in policies.values():
-            check_scannable(q, "run_niah(scan_layers=True)")
+            if isinstance(getattr(q, "press", q), PRESS_SCORED):
+                raise ValueError(
+                    f"policy {label or q.name!r} scores the context once at prefill from extra "
+                    "model passes; in a bounded cache it has no scores (it keeps the first tokens "
+                    f"and the question leaves with the window): run it under protocol 'press'"
+                )
+            if scan_layers:
+                check_scannable(q, "run_niah(scan_layers=True)")
     params = stack_params(model.params) if scan_layers or press else model.params
     gen = GenerateConfig(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size

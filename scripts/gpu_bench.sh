@@ -21,8 +21,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
 # Run from /tmp so the repo folder does not shadow the staged package.
 run() { echo "+ kvjax $*"; (cd /tmp && python3 -m kvjax "$@"); }
-# The embedded GGUF at /tmp/smollm2.gguf from its two parts (one stashed by an earlier call in
-# /tmp/parts, the other carried now), checked against its SHA-256.
+# The embedded GGUF at /tmp/smollm2.gguf from its parts (those stashed by earlier calls in
+# /tmp/parts, the last carried now), checked against its SHA-256. A call carries at most 64 MiB
+# with the tree, so the file goes in three parts (`split -n 3 -d`): `stash` with part_00, `stash`
+# with part_01, then the job with part_02 and sha256.txt.
 reassemble_gguf() {
   cp -n .gguf-parts/part_* /tmp/parts/ 2>/dev/null || true
   cat /tmp/parts/part_* > /tmp/smollm2.gguf
@@ -197,7 +199,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
       python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") >"$OUT/ncu_policy.csv" 2>"$OUT/ncu_policy.err" || true
     python3 "$OLDPWD/scripts/ncu_kernel_times.py" "$OUT/ncu_policy.csv" "${NCU_LAST:-400}" \
       | tee "$OUT/ncu_policy.txt" ;;
-  stash)  # first of two calls carrying the embedded GGUF in parts (each call <= 64 MiB)
+  stash)  # a call that only carries one part of the embedded GGUF (each call <= 64 MiB)
     mkdir -p /tmp/parts && cp .gguf-parts/part_* /tmp/parts/ && ls -la /tmp/parts ;;
   quality)  # perplexity sweeps/comparisons on the real model (GGUF reassembled from parts)
     reassemble_gguf
@@ -280,7 +282,8 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     par_groups ruler "${RGROUPS:-full streaming;h2o tova;snapkv adakv-snapkv;pyramidkv chunkkv;knorm keydiff;kvzip;expected random;kvpop adakv-keydiff}" \
       --ratios ${RATIOS:-0.5 0.75} --tasks ${TASKS:-niah_single_1 niah_multikey_1 niah_multivalue vt} \
       --lengths ${LENGTHS:-1024 2048 4096} --samples "${SAMPLES:-5}" --max-new-tokens 24 ;;
-  niah-par)  # the NIAH grid (LENGTHS x 5 depths, PROTOCOL, default both) at compression RATIOS
+  niah-par)  # the NIAH grid (LENGTHS x 5 depths, PROTOCOL: query-aware, query-agnostic, both
+    # (default), press (kvpress's compress-once; full-precision policies) or all) at RATIOS
     # with policy NGROUPS (";"-separated) run at once (par_groups); a group's results are written
     # when each (policy, ratio, protocol) finishes all its cells (one table and plot from them:
     # scripts/merge_ruler_json.py OUT.png niah/PROTOCOL FILES...). Each group runs with

@@ -67,10 +67,10 @@ def test_cells_average_finished_tasks_only(tmp_path, monkeypatch, capsys):
     png = tmp_path / "board.png"
     assert _run(monkeypatch, [str(png), TASKS, a, b]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "| policy | 1K 50% | 1K 75% |"
-    assert lines[2] == "| full | 40 | 40 |"
-    assert lines[3] == "| h2o | 20 | — |"
-    assert lines[4] == "| knorm | — | 60 |"
+    assert lines[0] == "| policy | 1K 50% | 1K 75% | mean |"
+    assert lines[2] == "| full | 40 | 40 | 40 |"
+    assert lines[3] == "| h2o | 20 | — | 20 |"
+    assert lines[4] == "| knorm | — | 60 | 60 |"
     assert (tmp_path / "board_1024.png").stat().st_size > 0
 
 
@@ -89,7 +89,7 @@ def test_a_file_that_is_not_ruler_output_is_named(tmp_path, monkeypatch, text):
     assert isinstance(code, str) and code.startswith(f"error: {bad}")
 
 
-def _niah(path, policy, protocol, scores, *, ratio=None, budget=None):
+def _niah(path, policy, protocol, scores, *, ratio=None, budget=None, live=8):
     """A `kvjax niah` result JSON: scores {length: [score per depth]}."""
     from kvjax.eval._niah import NiahCell, NiahResult
 
@@ -103,7 +103,7 @@ def _niah(path, policy, protocol, scores, *, ratio=None, budget=None):
             answer=f"a{i}",
             answer_tokens=[1],
             prompt_tokens=length,
-            live_kv_bytes=8,
+            live_kv_bytes=live,
             seconds=0.5,
         )
         for length, per_depth in scores.items()
@@ -138,19 +138,36 @@ def test_niah_results_merge_as_one_task_per_protocol(tmp_path, monkeypatch, caps
     agn = "query-agnostic"
     files = [
         _niah(tmp_path / "full.json", "full", agn, {1024: [1, 1, 0, 1], 2048: [1, 1, 1, 1]}),
-        _niah(tmp_path / "kivi.json", "kivi", agn, {1024: [0, 1, 0, 0], 2048: [0, 0, 0, 0]}),
         _niah(
-            tmp_path / "h5.json", "h2o", agn, {1024: [1, 0, 0, 0], 2048: [1, 1, 0, 0]}, ratio=0.5
+            tmp_path / "kivi.json", "kivi", agn, {1024: [0, 1, 0, 0], 2048: [0, 0, 0, 0]}, live=2
+        ),
+        _niah(
+            tmp_path / "h5.json",
+            "h2o",
+            agn,
+            {1024: [1, 0, 0, 0], 2048: [1, 1, 0, 0]},
+            ratio=0.5,
+            live=4,
         ),
         _niah(tmp_path / "h7.json", "h2o", agn, {1024: [0, 0, 0, 0]}, ratio=0.75),
         _niah(tmp_path / "aw.json", "h2o", "query-aware", {1024: [1, 1, 1, 1]}, ratio=0.75),
     ]
     assert _run(monkeypatch, [str(tmp_path / "n.png"), f"niah/{agn}", *files]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "| policy | 1K 50% | 1K 75% | 2K 50% |"
-    assert lines[2] == "| full | 75 | 75 | 100 |"
-    assert lines[3] == "| h2o | 25 | 0 | 50 |"
-    assert lines[4] == "| kivi | 25 | 25 | 0 |"
+    assert lines[0] == "| policy | 1K 50% | 1K 75% | 2K 50% | mean |"
+    assert lines[2] == "| full | 75 | 75 | 100 | 83.3 |"
+    assert lines[3] == "| h2o | 25 | 0 | 50 | 25 |"
+    assert lines[4] == "| kivi | 25 | 25 | 0 | 16.7 |"
+    # equal bytes: each result's mean score and live bytes as a share of full's same cells (the
+    # query-aware result is another task and is left out)
+    assert lines[6:] == [
+        "| policy | ratio | mean score | live KV, % of full |",
+        "|---|---|---|---|",
+        "| full | 0 | 87.5 | 100.0 |",
+        "| h2o | 0.5 | 37.5 | 50.0 |",
+        "| h2o | 0.75 | 0.0 | 100.0 |",
+        "| kivi | 0 | 12.5 | 25.0 |",
+    ]
     assert (tmp_path / "n_2048.png").stat().st_size > 0
 
 

@@ -356,6 +356,24 @@ def test_press_refuses_tiered_policies_before_any_cell(tiny_model, policy, budge
         )
 
 
+@pytest.mark.parametrize("policy", ["kvzip", "expected", "adakv-kvzip"])
+@pytest.mark.parametrize("protocol", ["query-aware", "query-agnostic"])
+def test_bounded_protocols_refuse_press_scored_policies(tiny_model, policy, protocol):
+    """kvzip/expected score only in press_context: in a bounded cache they would keep the first
+    tokens and drop the question (every answer wrong), so they are refused, naming `press`."""
+    kw = {"num_layers": tiny_model.config.num_layers} if policy.startswith("adakv") else {}
+    with pytest.raises(ValueError, match="run it under protocol 'press'"):
+        run_niah(
+            tiny_model,
+            make_policy(policy, 128, **kw),
+            lengths=[384],
+            depths=[50],
+            protocol=protocol,
+            haystack=HAYSTACK,
+            on_cell=lambda _: pytest.fail("a cell ran"),
+        )
+
+
 def test_press_refuses_stacked_params(tiny_model):
     from kvjax.models import stack_params
 
