@@ -72,12 +72,25 @@ class TestMgpuLowbit:
         ("int4codes" if x else "bytes"),
     )  # fmt: skip
     def test_matches_float64(self, case, native, splits):
+        self._check(case, native, splits)
+
+    @pytest.mark.parametrize("load", INT4_LOADS)
+    @pytest.mark.parametrize(
+        "case", [CASES[0], CASES[1]], ids=lambda c: f"{c.tiers}-g{c.ratio}-d{c.head_dim}"
+    )
+    def test_each_int4_load_matches_float64(self, case, load):
+        """The register layouts the int4 codes load into (`int4_load`), each compiled."""
+        if self.INTERPRET:
+            pytest.skip("register layouts are a compiled kernel's; the interpreter has none")
+        self._check(case, True, 3, int4_load=load)
+
+    def _check(self, case, native, splits, **kw):
         seed = _seed(case, splits, self.INTERPRET, native)
         q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
         scale = q.shape[-1] ** -0.5
         res = decode_attention_lowbit_mgpu(
             q, tier, q_pos, bits=case.bits, scale=scale, num_splits=splits, stages=2,
-            interpret=self.INTERPRET,
+            interpret=self.INTERPRET, **kw,
         )  # fmt: skip
         out, lse = combine([res])
         want, want_lse, _, _ = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
