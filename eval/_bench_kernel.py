@@ -35,6 +35,7 @@ ROWS = (
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
     "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
+    "mgpu-int4-codes-auto+logits", "mgpu-int2-codes-auto+logits",
 )  # fmt: skip
 
 
@@ -232,7 +233,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         return ours(bits=bits), tier, _nbytes(*arrays)
 
-    def mgpu_lowbit(bits: int, native: bool = False, load: str = "upcast2x"):
+    def mgpu_lowbit(bits: int, native: bool = False, load: str = "upcast2x", logits=False):
         # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
         # groups, values channel-major (`to_channel_major`; `native`: int4 codes).
         def build():
@@ -250,8 +251,9 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         def fn(q, knobs, tier):
             extra = {"int4_load": load} if native else {}
             p = da.decode_attention_lowbit_mgpu(
-                grouped(q), tier, q_pos, bits=bits, scale=scale, **extra, **(knobs or {})
-            )
+                grouped(q), tier, q_pos, bits=bits, scale=scale, return_logits=logits, **extra,
+                **(knobs or {}),
+            )  # fmt: skip
             return out(da.combine([p])[0])
 
         tier = once(f"mgpu-int{bits}" + ("-codes" if native else ""), build)  # one per layout
@@ -280,6 +282,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
             cases[f"mgpu-int{bits}-codes{suffix}"] = functools.partial(
                 mgpu_lowbit, bits, True, load
             )
+        # with the per-slot logits (the policies that rank by attention mass)
+        cases[f"mgpu-int{bits}-codes-auto+logits"] = functools.partial(
+            mgpu_lowbit, bits, True, "auto", True
+        )
     return cases
 
 

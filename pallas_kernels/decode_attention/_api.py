@@ -77,7 +77,7 @@ def decode_attention(
             per layer as always.
 
     A ChannelMajorLowBitTier as `lowbit` (`to_channel_major`) runs the Mosaic GPU low-bit kernel
-    (`decode_attention_lowbit_mgpu`, GPU backends only, no logits).
+    (`decode_attention_lowbit_mgpu`, GPU backends only; its logits as the others').
 
     A PooledTier as `full` (one slot pool shared by the KV heads) runs the pooled Triton kernel
     (`decode_attention_pooled_triton`; GPU backends only, no other tier): its logits are
@@ -88,17 +88,10 @@ def decode_attention(
             "decode attention: layer= (a stacked tier read in place) runs the GPU dense kernels "
             f"only, not backend {backend!r} or a PooledTier; slice the layer out instead"
         )
-    if isinstance(lowbit, ChannelMajorLowBitTier):
-        if backend not in ("triton", "mosaic"):
-            raise ValueError(
-                "decode attention: a ChannelMajorLowBitTier runs on the GPU backends, "
-                f"not {backend!r}"
-            )
-        if return_logits:
-            raise ValueError(
-                "decode attention: the Mosaic GPU low-bit kernel returns no per-slot logits; "
-                "pass the token-major LowBitTier where a policy needs them"
-            )
+    if isinstance(lowbit, ChannelMajorLowBitTier) and backend not in ("triton", "mosaic"):
+        raise ValueError(
+            f"decode attention: a ChannelMajorLowBitTier runs on the GPU backends, not {backend!r}"
+        )
     if isinstance(full, PooledTier):
         if backend not in ("triton", "mosaic"):
             raise ValueError(
@@ -140,7 +133,7 @@ def decode_attention(
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, **tiling, **knobs))
-    if isinstance(lowbit, ChannelMajorLowBitTier):  # checked above: a GPU backend, no logits
+    if isinstance(lowbit, ChannelMajorLowBitTier):  # checked above: a GPU backend
         from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import (
             decode_attention_lowbit_mgpu,
         )
@@ -153,6 +146,7 @@ def decode_attention(
                 bits=bits,
                 scale=scale,
                 num_splits=num_splits,
+                return_logits=return_logits,
                 interpret=interpret,
             )  # fmt: skip
         )

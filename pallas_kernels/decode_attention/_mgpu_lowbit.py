@@ -105,6 +105,37 @@ def _kernel(
     pos_ref,  # [B, Hkv, P, 64] int32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
+    *refs,  # (return_logits: logits [B, Hkv, P, 64, N] f32, pages >= extent never written),
+    # then the scratch below
+    bits: int,
+    scale: float,
+    stages: int,
+    num_splits: int,
+    interpret: bool,
+    native: bool = False,
+    int4_load: str = "upcast2x",
+    return_logits: bool = False,
+):
+    logits_ref = refs[0] if return_logits else None
+    _pages(  # the scratch: named by `_pages`'s parameters
+        extent_ref, qpos_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, pos_ref, o_ref, lse_ref,
+        logits_ref, *refs[1 if return_logits else 0 :], bits=bits, scale=scale, stages=stages,
+        num_splits=num_splits, interpret=interpret, native=native, int4_load=int4_load,
+    )  # fmt: skip
+
+
+def _pages(
+    extent_ref,
+    qpos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    pos_ref,
+    o_ref,
+    lse_ref,
+    logits_ref,  # [B, Hkv, P, 64, N] f32 or None
     q_smem,  # [N, D] bf16
     k_smem,  # [stages, 64, D·bits/8] uint8
     v_smem,  # [stages, D, 64·bits/8] uint8
@@ -199,6 +230,8 @@ def _kernel(
         s = pl.run_scoped(qk, plgpu.ACC((PAGE, cols), jnp.float32)) * scale
         seen = (pos >= 0) & (pos <= qpos)
         s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+        if logits_ref is not None:  # the page's scaled logits, [64 tokens, N]
+            logits_ref[b, h, i] = s
         m_new = jnp.maximum(m, s.max(axis=0))
         corr = lax.broadcast_in_dim(jnp.exp(m - m_new), s.shape, [1])
         p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
@@ -257,7 +290,15 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("bits", "scale", "num_splits", "stages", "int4_load", "interpret"),
+    static_argnames=(
+        "bits",
+        "scale",
+        "num_splits",
+        "stages",
+        "int4_load",
+        "return_logits",
+        "interpret",
+    ),
 )
 def decode_attention_lowbit_mgpu(
     q: Array,
@@ -269,6 +310,7 @@ def decode_attention_lowbit_mgpu(
     num_splits: int | None = None,
     stages: int | None = None,
     int4_load: str = "upcast2x",
+    return_logits: bool = False,
     interpret: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one low-bit tier (Mosaic GPU, tokens on M).
@@ -284,10 +326,14 @@ def decode_attention_lowbit_mgpu(
         num_splits: splits per (sequence, KV head); default fills the chip.
         stages: pages in flight (TMA copies ahead of the dots); default from the Tuning.
         int4_load: how int4 codes load into registers, one of INT4_LOADS (`_native`).
+        return_logits: also return the scaled logits of every slot (for the policies that rank
+            by attention mass): each page's [64, N] tile stored as the page is read.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
-        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and no logits.
+        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and, with return_logits,
+        logits [B, Hkv, G, P·64] (-inf where a slot is not visible; pages at or past the
+        extent are not read, their logits undefined, as the other kernels' unread slots).
     """
     check_query(q, q_pos)
     check_channel_major(tier, q, bits)
@@ -308,6 +354,8 @@ def decode_attention_lowbit_mgpu(
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
         jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
     ]
+    if return_logits:
+        out_type.append(jax.ShapeDtypeStruct((b, hkv, pages, PAGE, cols), f32))
     ng = tier.v_stats.shape[4]
     native = tier.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
@@ -342,10 +390,16 @@ def decode_attention_lowbit_mgpu(
         interpret=interpret,
         native=native,
         int4_load=int4_load,
+        return_logits=return_logits,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret
     )
-    o, lse = launch(tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
+    o, lse, *lg = launch(
+        tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos
+    )
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
-    return Partials(out, lse[..., :group], None)
+    logits = None
+    if return_logits:  # [B, Hkv, P, 64, N] -> [B, Hkv, G, P·64]
+        logits = jnp.moveaxis(lg[0][..., :group], -1, 2).reshape(b, hkv, group, pages * PAGE)
+    return Partials(out, lse[..., :group], logits)

@@ -98,7 +98,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     from kvjax.eval._bench_kernel import bench_kernel
 
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
-    rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes")
+    rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes", "mgpu-int4-codes-auto+logits")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -133,6 +133,8 @@ def test_bench_kernel_rows_bytes_and_errors():
     mg_stats = 2 * 2 * (64 + 64)
     assert res["mgpu-int4"].bytes_read == bf16 // 4 + mg_stats * 2 + 2 * 64 * 4
     assert res["mgpu-int4-codes"].bytes_read == res["mgpu-int4"].bytes_read
+    # the logits it writes are not read bytes
+    assert res["mgpu-int4-codes-auto+logits"].bytes_read == res["mgpu-int4"].bytes_read
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
         assert "Error" in res["pallas-bf16-pooled"].error

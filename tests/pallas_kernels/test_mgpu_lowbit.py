@@ -72,7 +72,7 @@ class TestMgpuLowbit:
         ("int4codes" if x else "bytes"),
     )  # fmt: skip
     def test_matches_float64(self, case, native, splits):
-        self._check(case, native, splits)
+        self._check(case, native, splits, return_logits=splits == 3)  # with and without
 
     @pytest.mark.parametrize("load", INT4_LOADS)
     @pytest.mark.parametrize(
@@ -93,11 +93,15 @@ class TestMgpuLowbit:
             interpret=self.INTERPRET, **kw,
         )  # fmt: skip
         out, lse = combine([res])
-        want, want_lse, _, _ = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
+        want, want_lse, logits, seen = oracle(q, q_pos, full, None, lowbit, case.bits, scale)
         got = np.asarray(out, np.float64)
         assert np.all(np.isfinite(got))
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
         np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
+        if kw.get("return_logits"):  # the low-bit tier's logits, [B, Hkv, G, P·64]
+            _check_logits(res.logits, logits[-1], seen[-1])
+        else:
+            assert res.logits is None
 
     def test_nothing_visible_gives_zero_and_minus_inf(self):
         case = CASES[0]
@@ -207,10 +211,12 @@ def make_tiers_page(case: Case, seed: int, page: int):
 
 
 @pytest.mark.parametrize(
-    "bits, codes",
-    [(2, "bytes"), (4, "bytes")] + [(b, f"int4-{load}") for b in (4, 2) for load in INT4_LOADS],
+    "bits, codes, logits",
+    [(2, "bytes", False), (4, "bytes", False)]
+    + [(b, f"int4-{load}", False) for b in (4, 2) for load in INT4_LOADS]
+    + [(4, "bytes", True), (4, "int4-auto", True), (2, "int4-upcast2x", True)],
 )
-def test_kernel_lowers_for_h200(bits, codes):
+def test_kernel_lowers_for_h200(bits, codes, logits):
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
     load = codes.removeprefix("int4-") if codes.startswith("int4") else "upcast2x"
@@ -231,7 +237,12 @@ def test_kernel_lowers_for_h200(bits, codes):
     q = jax.ShapeDtypeStruct((b, hkv, g, d), jnp.bfloat16)
     q_pos = jax.ShapeDtypeStruct((b,), jnp.int32)
     fn = functools.partial(
-        decode_attention_lowbit_mgpu, bits=bits, scale=d**-0.5, num_splits=4, int4_load=load
+        decode_attention_lowbit_mgpu,
+        bits=bits,
+        scale=d**-0.5,
+        num_splits=4,
+        int4_load=load,
+        return_logits=logits,
     )
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
@@ -255,8 +266,24 @@ def test_decode_attention_routes_a_channel_major_tier_to_the_mosaic_kernel():
     cm = to_channel_major(lowbit, 2)
     with pytest.raises(ValueError, match="GPU backends, not 'tpu'"):
         decode_attention(q, q_pos, full=full, lowbit=cm, bits=2, scale=scale, backend="tpu")
-    with pytest.raises(ValueError, match="no per-slot logits"):
-        decode_attention(
-            q, q_pos, full=full, lowbit=cm, bits=2, scale=scale, return_logits=True,
-            interpret=True,
-        )  # fmt: skip
+    # with logits: each tier's, the channel-major one's as the token-major kernels give them
+    got = decode_attention(
+        q, q_pos, full=full, lowbit=cm, bits=2, scale=scale, return_logits=True,
+        interpret=True, num_splits=2,
+    )  # fmt: skip
+    _, _, logits, seen = oracle(q, q_pos, full, None, lowbit, 2, scale)
+    assert len(got.logits) == 2
+    _check_logits(got.logits[1], logits[1], seen[1])
+
+
+def _check_logits(got, want, seen):
+    """A kernel's logits against the float64 oracle's: equal on the visible slots (bfloat16
+    dequantized keys: within TOL of the largest), -inf on the read slots that are not."""
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape
+    vis = np.broadcast_to(seen[:, :, None], want.shape)
+    assert np.all(np.isfinite(got[vis]))
+    err = np.max(np.abs(got[vis] - want[vis])) / np.max(np.abs(want[vis]))
+    assert err < TOL, err
+    read = np.isfinite(got) | np.isneginf(got)  # unread pages hold whatever was there
+    assert np.all(np.isneginf(got[read & ~vis]))
