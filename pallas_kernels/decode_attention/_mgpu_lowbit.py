@@ -105,8 +105,12 @@ def _kernel(
     pos_ref,  # [B, Hkv, P, 64] int32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
-    *refs,  # (return_logits: logits [B, Hkv, P, 64, N] f32, pages >= extent never written),
-    # then the scratch below
+    *refs,  # logits [B, Hkv, P, 64, N] f32 (return_logits; pages >= extent never written),
+    # then the scratch: q_smem [N, D] bf16; k_smem [stages, 64, D·bits/8] uint8; v_smem
+    # [stages, D, 64·bits/8] uint8; ks_smem [stages, 2, D] bf16; vs_smem [stages, 2, NG, 64]
+    # bf16; pos_smem [stages, 64] int32; p_smem [NG, N, 64] bf16 (P^T times each value group's
+    # scales, K-major for the dot); lse_smem [N] f32; interpreted, the A-operand tiles in
+    # shared memory; then the barriers
     bits: int,
     scale: float,
     stages: int,
@@ -117,42 +121,9 @@ def _kernel(
     return_logits: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
-    _pages(  # the scratch: named by `_pages`'s parameters
-        extent_ref, qpos_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, pos_ref, o_ref, lse_ref,
-        logits_ref, *refs[1 if return_logits else 0 :], bits=bits, scale=scale, stages=stages,
-        num_splits=num_splits, interpret=interpret, native=native, int4_load=int4_load,
-    )  # fmt: skip
-
-
-def _pages(
-    extent_ref,
-    qpos_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    ks_ref,
-    vs_ref,
-    pos_ref,
-    o_ref,
-    lse_ref,
-    logits_ref,  # [B, Hkv, P, 64, N] f32 or None
-    q_smem,  # [N, D] bf16
-    k_smem,  # [stages, 64, D·bits/8] uint8
-    v_smem,  # [stages, D, 64·bits/8] uint8
-    ks_smem,  # [stages, 2, D] bf16
-    vs_smem,  # [stages, 2, NG, 64] bf16
-    pos_smem,  # [stages, 64] int32
-    p_smem,  # [NG, N, 64] bf16: P^T times each value group's scales (K-major for the dot)
-    lse_smem,  # [N] f32
-    *stage,  # interpreted: A-operand tiles in shared memory; then the barriers
-    bits: int,
-    scale: float,
-    stages: int,
-    num_splits: int,
-    interpret: bool,
-    native: bool = False,
-    int4_load: str = "upcast2x",
-):
+    q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
+        1 if return_logits else 0 :
+    ]
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
     # nibble.
