@@ -46,8 +46,8 @@ from ._niah_prompt import (
     haystack_text,
     score_niah_answer,
 )
-from ._press import PRESS_SCORED, is_tiered, press_context
-from ._ruler import PRESS_BUCKET, answer_room, kvzip_ids
+from ._press import PRESS_SCORED, is_tiered
+from ._ruler import answer_pressed
 
 Array = jax.Array
 
@@ -178,7 +178,6 @@ def run_niah(
                     f"protocol 'press' keeps full-precision tokens; policy {q.name!r} is tiered "
                     "(INT8/low-bit): run it under query-aware or query-agnostic"
                 )
-        press_ids = kvzip_ids(model) if any(_is_kvzip(q) for q in policies.values()) else {}
     else:
         for q in policies.values():
             if isinstance(getattr(q, "press", q), PRESS_SCORED):
@@ -203,7 +202,10 @@ def run_niah(
         for depth, p in zip(depths, prompts, strict=True):
             t0 = time.perf_counter()
             if press:
-                ids, cache = _answer_pressed(model, params, policies[n], gen, p, press_ids)
+                ids, cache, _ = answer_pressed(
+                    model, policies[n], p.context, p.question, gen, question_multiple=16,
+                    scan_params=params, dtype=dtype,
+                )  # fmt: skip
             else:
                 empty = new_cache(
                     config, policies[n], batch=1, max_len=n, dtype=dtype, stacked=scan_layers
@@ -263,48 +265,6 @@ def shared_buckets(
         longest = max(m for m, other in specs.items() if other == spec)
         out[n] = (spec, -(-longest // chunk_size) * chunk_size)
     return out
-
-
-def _is_kvzip(policy: Policy) -> bool:
-    return getattr(policy, "press", policy).name == "kvzip"  # adakv over kvzip too
-
-
-def _answer_pressed(
-    model: LoadedModel,
-    scan_params: Params,
-    policy: Policy,
-    gen: GenerateConfig,
-    p: NiahPrompt,
-    press_ids: dict[str, list[int]],
-) -> tuple[list[int], Cache]:
-    """One cell under kvpress's protocol (as `kvjax ruler`'s samples): the context compressed
-    once, then question and answer in the append-only cache; its answer ids and final cache.
-    Shapes are bucketed so the cells of one length share their compiled steps."""
-    config, s = model.config, len(p.context)
-    room = answer_room(len(p.question), gen.max_new_tokens)
-    pressed = press_context(
-        config,
-        model.params,
-        policy,
-        p.context,
-        room=room,
-        dtype=jax.tree_util.tree_leaves(model.params)[0].dtype,
-        min_slots=-(-(s + room) // PRESS_BUCKET) * PRESS_BUCKET,
-        chunk_multiple=PRESS_BUCKET,
-        scan_params=scan_params,
-        **(press_ids if _is_kvzip(policy) else {}),
-    )
-    tail = dataclasses.replace(gen, chunk_size=-(-len(p.question) // 16) * 16)
-    res, cache = generate_from_cache(
-        config,
-        pressed.policy,
-        tail,
-        model.params,
-        pressed.cache,
-        *_padded(p.question, tail.chunk_size),
-        jax.random.key(0),
-    )
-    return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache
 
 
 def _padded(ids: list[int], size: int) -> tuple[Array, Array]:

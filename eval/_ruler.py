@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import Cache
 from kvjax.generate import GenerateConfig, generate_from_cache
 from kvjax.models import Params, stack_params
 from kvjax.policies import (
@@ -29,7 +30,7 @@ from kvjax.policies import (
 )
 from kvjax.weights import LoadedModel
 
-from ._press import is_tiered, press_context
+from ._press import Pressed, is_tiered, press_context
 from ._ruler_tasks import _SLOT, TASKS, RulerSample, build_sample, string_match_all
 
 
@@ -174,38 +175,60 @@ def answer(
         # A budget N caches N - 1 tokens (it counts the attended current token): N - 1 =
         # int((1 - ratio) * s), the tokens kvpress keeps.
         policy = ruler_policy(policy_name, max(2, int(s * (1 - ratio)) + 1), cfg.num_layers)
-    room = answer_room(len(sample.question), max_new_tokens)
+    gen = GenerateConfig(max_new_tokens=max_new_tokens)
+    ids, _, pressed = answer_pressed(
+        model, policy, sample.context, sample.question, gen, question_multiple=64,
+        scan_params=scan_params,
+    )  # fmt: skip
+    text = model.tokenizer.decode(ids, skip_special=True)
+    return text, float(np.mean(pressed.kept)), pressed.seconds
+
+
+def answer_pressed(
+    model: LoadedModel,
+    policy: Policy,
+    context: Sequence[int],
+    question: Sequence[int],
+    gen: GenerateConfig,
+    *,
+    question_multiple: int,
+    scan_params: Params | None = None,
+    dtype=jnp.float32,
+) -> tuple[list[int], Cache, Pressed]:
+    """kvpress's protocol for one prompt: `context` compressed once by `policy`
+    (`press_context`, with KVzip's reconstruction prompts when it or adakv's press is kvzip),
+    then `question` and the answer (`gen`; its chunk the question rounded up to
+    `question_multiple`) in the append-only cache. Shapes are bucketed (`PRESS_BUCKET`) so
+    prompts of one length share their compiled steps. Returns the answer ids, the final cache
+    and the compressed context."""
+    s = len(context)
+    room = answer_room(len(question), gen.max_new_tokens)
     pressed = press_context(
-        cfg,
+        model.config,
         model.params,
         policy,
-        sample.context,
+        context,
         room=room,
+        dtype=dtype,
         min_slots=_round_up(s + room, PRESS_BUCKET),
         chunk_multiple=PRESS_BUCKET,
         scan_params=scan_params,
         **(kvzip_ids(model) if getattr(policy, "press", policy).name == "kvzip" else {}),
     )
-    chunk = _round_up(len(sample.question), 64)
-    gen = GenerateConfig(max_new_tokens=max_new_tokens, chunk_size=chunk)
-    q = (
-        jnp.zeros((1, chunk), jnp.int32)
-        .at[0, : len(sample.question)]
-        .set(jnp.asarray(sample.question, jnp.int32))
-    )
-    res, _ = generate_from_cache(
-        cfg,
+    chunk = _round_up(len(question), question_multiple)
+    ids = jnp.asarray(question, jnp.int32)
+    q = jnp.zeros((1, chunk), jnp.int32).at[0, : len(question)].set(ids)
+    res, cache = generate_from_cache(
+        model.config,
         pressed.policy,
-        gen,
+        dataclasses.replace(gen, chunk_size=chunk),
         model.params,
         pressed.cache,
         q,
-        jnp.asarray([len(sample.question)]),
+        jnp.asarray([len(question)]),
         jax.random.key(0),
     )
-    ids = np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist()
-    text = model.tokenizer.decode(ids, skip_special=True)
-    return text, float(np.mean(pressed.kept)), pressed.seconds
+    return np.asarray(res.tokens)[0, : int(res.num_generated[0])].tolist(), cache, pressed
 
 
 def run_ruler(
