@@ -100,6 +100,15 @@ case "${1:-foundation}" in
       --out "$OUT/kernel.json" \
       | tee "$OUT/kernel.txt"
     ;;
+  tests)  # test files of this checkout run on the GPU (compiled, not interpreted), e.g.
+    # `tests tests/cache/test_kernel_lowbit.py`: pytest's summary under $OUT/tests.txt
+    shift
+    files=(); for f in "$@"; do files+=("$OLDPWD/$f"); done
+    (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \
+      timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest -q --maxfail=5 -p no:cacheprovider \
+      -p no:benchmark -c "$OLDPWD/pyproject.toml" --rootdir "$OLDPWD" \
+      -W ignore::pytest.PytestConfigWarning "${files[@]}" >"$OUT/tests.txt" 2>&1) || true
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.txt" | tail -20 || true ;;
   decode-pallas)  # end to end, Llama-3-8B shapes, bf16, 32K context, one process per row
     # (so each row's allocator peak is its own). Budgets give 20% of the full cache's bytes:
     # qevict's byte budget is 6554 tokens' worth; confkv's INT8 tier fits 12650 tokens in it

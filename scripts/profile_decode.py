@@ -8,6 +8,7 @@ this device's decode-kernel `Tuning` (e.g. lowbit_stack_pages=0; a tuple field
 takes "+"-separated ints, lowbit_int8_qk_bits=4+2): an A/B of a default inside the
 whole step. STACKED=1 profiles the layer-scan step (`--scan-layers`: stacked cache and params)
 instead of the unrolled one, e.g. to see where batch 1's scanned step loses its time.
+POLICY_SET="group=64,lowbit_layout=kernel" sets policy hyperparameters (as `--set`).
 """
 
 import dataclasses
@@ -53,6 +54,10 @@ def main() -> None:
     ctx = int(os.environ.get("CONTEXT", "32768"))
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     pol = policy_from_spec(name, int(budget), num_layers=layers)
+    if os.environ.get("POLICY_SET"):  # hyperparameters: ints where they parse, else strings
+        kw = dict(a.split("=") for a in os.environ["POLICY_SET"].split(","))
+        kw = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kw.items()}
+        pol = dataclasses.replace(pol, **kw)
     cache = new_cache(cfg, pol, batch=batch, max_len=ctx + 4 * STEPS + 1, dtype=jnp.bfloat16)
     cache, _ = fill_random(pol, cache, ctx, min(ctx, 2048), jax.random.key(0))
     stacked = os.environ.get("STACKED") == "1"

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
-from kvjax.cache import LayerCache, StackedLayer
+from kvjax.cache import KernelLowBitTier, LayerCache, StackedLayer
 from kvjax.pallas_kernels.decode_attention import (
+    ChannelMajorLowBitTier,
     FullTier,
     Int8Tier,
     LowBitTier,
@@ -104,9 +105,20 @@ def attend_pallas(
     if layer.lowbit is not None:
         lb = layer.lowbit
         extent = _extent(jnp.any(lb.pos >= 0, axis=-1))
-        lowbit = LowBitTier(
-            lb.k, lb.v, lb.k_scale, lb.k_zero, lb.v_scale, lb.v_zero, lb.pos, extent
-        )
+        if isinstance(lb, KernelLowBitTier):  # read as stored by the Mosaic GPU kernel
+            if backend == "tpu":
+                raise ValueError(
+                    "a low-bit tier in the kernel layout (lowbit_layout='kernel') is read by "
+                    "the Mosaic GPU kernel (Hopper GPUs) or by XLA attention; on a TPU use "
+                    "lowbit_layout='token' or implementation='xla'"
+                )
+            # A stacked cache's pages are read at the layer in place (no slice of the stack).
+            src = stacked.stack.lowbit if stacked is not None else lb
+            lowbit = ChannelMajorLowBitTier(src.k, src.v, src.k_stats, src.v_stats, src.pos, extent)
+        else:
+            lowbit = LowBitTier(
+                lb.k, lb.v, lb.k_scale, lb.k_zero, lb.v_scale, lb.v_zero, lb.pos, extent
+            )
     res = decode_attention(
         qg,
         qp,

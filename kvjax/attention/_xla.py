@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats, KeyShift, turn_keys
 from kvjax.cache import LayerCache
-from kvjax.quant import dequantize_int8, dequantize_per_channel, dequantize_per_token, unpack
+from kvjax.quant import dequantize_int8
 
 Array = jax.Array
 
@@ -83,8 +83,7 @@ def attend_xla(
     if layer.lowbit is not None:
         lb = layer.lowbit
         b_, h_, p_, g_ = lb.pos.shape
-        k8 = dequantize_per_channel(unpack(lb.k, lb.bits), lb.k_scale, lb.k_zero, q.dtype)
-        v8 = dequantize_per_token(unpack(lb.v, lb.bits), lb.v_scale, lb.v_zero, q.dtype)
+        k8, v8 = lb.dequantize(q.dtype)  # [B, Hkv, P, G, D], either layout
         flat = lambda x: x.reshape(b_, h_, p_ * g_, *x.shape[4:])
         by = None if shift.lowbit is None else shift.lowbit.reshape(b_, h_, p_ * g_)
         cache_segs.append((turn(flat(k8), by), flat(v8), lb.pos.reshape(b_, h_, p_ * g_)))

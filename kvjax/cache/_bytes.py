@@ -49,7 +49,14 @@ def slot_bytes_per_layer(cache: Cache) -> np.ndarray:
 
 def physical_bytes(cache: Cache) -> int:
     """Bytes the cache allocates (a static number: shapes are fixed)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)))
+    return int(sum(_nbytes(x) for x in jax.tree_util.tree_leaves(cache)))
+
+
+def _nbytes(x: Array) -> int:
+    """Bytes of an array as a device stores it (int4: two values a byte)."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.size * jnp.iinfo(x.dtype).bits // 8
+    return x.size * x.dtype.itemsize
 
 
 def _layer_tier_slots(layer: LayerCache) -> Array:

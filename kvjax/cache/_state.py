@@ -15,11 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.quant import STAT_DTYPE
+from kvjax.quant import (
+    STAT_DTYPE,
+    check_kernel_layout,
+    dequantize_kernel_pages,
+    dequantize_per_channel,
+    dequantize_per_token,
+    pack,
+    quantize_kernel_pages,
+    quantize_per_channel,
+    quantize_per_token,
+    unpack,
+)
 
 Array = jax.Array
 
 EMPTY = -1  # `pos` of an unoccupied slot
+LOWBIT_LAYOUTS = ("token", "kernel")
+KERNEL_PAGE = 64  # tokens per page of the kernel layout: the rows of a warpgroup dot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +50,10 @@ class CacheSpec:
         lowbit_page_size: G, tokens per low-bit page (keys share per-channel statistics).
         lowbit_bits: code width of the low-bit tier.
         lowbit_value_group: channels per value scale/zero group.
+        lowbit_layout: "token" (`LowBitTier`: packed bytes, token-major; every backend's
+            kernels) or "kernel" (`KernelLowBitTier`: int4 codes, values channel-major,
+            kernel-ready statistics; the Mosaic GPU low-bit kernel reads it as stored; 64-token
+            pages, 2 or 4 bits, `kvjax.quant.check_kernel_layout`).
         pooled: each layer's full-precision slots form ONE pool of Hkv·C slots shared by its
             KV heads, each slot carrying its head (head-adaptive budgets, `adakv`); C is then
             the mean slots per KV head.
@@ -52,6 +69,7 @@ class CacheSpec:
     lowbit_page_size: int = 32
     lowbit_bits: int = 2
     lowbit_value_group: int = 32
+    lowbit_layout: str = "token"
     pooled: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +88,25 @@ class CacheSpec:
             raise ValueError(
                 f"CacheSpec.int8_capacities must give one capacity > 0 per layer, "
                 f"got {self.int8_capacities}"
+            )
+        if self.lowbit_layout not in LOWBIT_LAYOUTS:
+            raise ValueError(
+                f"CacheSpec.lowbit_layout must be one of {LOWBIT_LAYOUTS}, "
+                f"got {self.lowbit_layout!r}"
+            )
+        if self.lowbit_pages is not None and self.lowbit_layout == "kernel":
+            if self.lowbit_page_size != KERNEL_PAGE:
+                raise ValueError(
+                    f"CacheSpec.lowbit_layout 'kernel' needs {KERNEL_PAGE}-token pages, "
+                    f"got lowbit_page_size={self.lowbit_page_size}"
+                )
+            if self.head_dim % self.lowbit_value_group:
+                raise ValueError(
+                    f"lowbit_value_group {self.lowbit_value_group} must divide head_dim "
+                    f"{self.head_dim}"
+                )
+            check_kernel_layout(
+                self.head_dim, self.lowbit_bits, self.head_dim // self.lowbit_value_group
             )
         if self.pooled and (self.int8_capacities is not None or self.lowbit_pages is not None):
             raise ValueError("CacheSpec.pooled holds full-precision slots only (no INT8/low-bit)")
@@ -133,8 +170,35 @@ def lowbit_page_bytes(
     return codes + stats
 
 
+class _Pages:
+    """What both low-bit tiers share: pages of `pos.shape[-1]` tokens, `held` pages in use, the
+    bytes of a page from the statistics' shapes (`_stats`: D, value groups, a statistics
+    array)."""
+
+    pos: Array
+    held: Array
+    bits: int
+
+    def _stats(self) -> tuple[int, int, Array]:
+        raise NotImplementedError
+
+    @property
+    def page_size(self) -> int:
+        return self.pos.shape[-1]
+
+    def live_pages(self) -> Array:
+        """[B, Hkv] int32 pages in use (attended or dormant)."""
+        return jnp.sum(self.held, axis=-1, dtype=jnp.int32)
+
+    def page_bytes(self) -> int:
+        """K/V bytes of one page of one KV head: codes plus all their scales and zeros (int4
+        arrays hold two codes a byte, as packed bytes do)."""
+        d, ng, stat = self._stats()
+        return lowbit_page_bytes(d, self.page_size, self.bits, d // ng, stat.dtype.itemsize)
+
+
 @struct.dataclass
-class LowBitTier:
+class LowBitTier(_Pages):
     """Pages of G tokens stored as packed low-bit codes, KIVI style (written once per page):
     keys quantized per channel over the page's tokens, values per token over channel groups.
 
@@ -161,19 +225,102 @@ class LowBitTier:
     held: Array
     bits: int = struct.field(pytree_node=False, default=2)
 
-    @property
-    def page_size(self) -> int:
-        return self.pos.shape[-1]
+    def _stats(self) -> tuple[int, int, Array]:
+        return self.k_scale.shape[-1], self.v_scale.shape[-1], self.k_scale
 
-    def live_pages(self) -> Array:
-        """[B, Hkv] int32 pages in use (attended or dormant)."""
-        return jnp.sum(self.held, axis=-1, dtype=jnp.int32)
+    def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
+        """Pages `page` [B, Hkv, m] dequantized: keys and values [B, Hkv, m, G, D] `dtype`."""
+        at = _page_at(page)
+        k = dequantize_per_channel(
+            unpack(at(self.k), self.bits), at(self.k_scale), at(self.k_zero), dtype
+        )
+        v = dequantize_per_token(
+            unpack(at(self.v), self.bits), at(self.v_scale), at(self.v_zero), dtype
+        )
+        return k, v
 
-    def page_bytes(self) -> int:
-        """K/V bytes of one page of one KV head: codes plus all their scales and zeros."""
-        d = self.k_scale.shape[-1]
-        vg = d // self.v_scale.shape[-1]
-        return lowbit_page_bytes(d, self.page_size, self.bits, vg, self.k_scale.dtype.itemsize)
+    def dequantize(self, dtype: Any) -> tuple[Array, Array]:
+        """Every page dequantized: keys and values [B, Hkv, P, G, D] `dtype`."""
+        k = dequantize_per_channel(unpack(self.k, self.bits), self.k_scale, self.k_zero, dtype)
+        v = dequantize_per_token(unpack(self.v, self.bits), self.v_scale, self.v_zero, dtype)
+        return k, v
+
+    def write(self, page: Array, xk: Array, xv: Array) -> LowBitTier:
+        """Keys and values [B, Hkv, m, G, D] quantized into pages `page` [B, Hkv, m] (an index
+        ≥ P is dropped: nothing written); positions, scores and `held` are the caller's."""
+        kc, ks, kz = quantize_per_channel(xk, self.bits)
+        vc, vs, vz = quantize_per_token(xv, self.bits, xv.shape[-1] // self.v_scale.shape[-1])
+        put = _page_put(page)
+        return self.replace(
+            k=put(self.k, pack(kc, self.bits)),
+            v=put(self.v, pack(vc, self.bits)),
+            k_scale=put(self.k_scale, ks),
+            k_zero=put(self.k_zero, kz),
+            v_scale=put(self.v_scale, vs),
+            v_zero=put(self.v_zero, vz),
+        )
+
+
+def _page_at(page: Array):
+    """`a` → a[b, h, page[b, h, j]] for every page array a [B, Hkv, P, ...]."""
+    return lambda a: jnp.take_along_axis(a, page.reshape(page.shape + (1,) * (a.ndim - 3)), axis=2)
+
+
+def _page_put(page: Array):
+    """(a, x) → a with a[b, h, page[b, h, j]] = x[b, h, j] (indices ≥ P dropped)."""
+    b, h = page.shape[:2]
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    return lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
+
+
+@struct.dataclass
+class KernelLowBitTier(_Pages):
+    """The low-bit pages in the Mosaic GPU decode kernel's layout (`CacheSpec.lowbit_layout`
+    "kernel"; `kvjax.quant.quantize_kernel_pages`): the kernel reads them as stored, with no
+    conversion per step. Same tokens, statistics and bytes as `LowBitTier`; each group is
+    quantized around the code offset the kernel's signed int4 read implies, so the bound is
+    the same |x − dequantized| ≤ scale / 2.
+
+    Attributes:
+        k: [B, Hkv, P, G, D·bits/4] int4 key codes (G = 64 tokens a page).
+        v: [B, Hkv, P, D·bits/4, G] int4 value codes, channel-major.
+        k_stats: [B, Hkv, P, 2, D] bfloat16 (scale·2^-(slice·bits), zero) per channel.
+        v_stats: [B, Hkv, P, 2, NG, G] bfloat16 the same per value group and token.
+        pos, score, held, bits: as `LowBitTier`.
+    """
+
+    k: Array
+    v: Array
+    k_stats: Array
+    v_stats: Array
+    pos: Array
+    score: Array
+    held: Array
+    bits: int = struct.field(pytree_node=False, default=2)
+
+    def _stats(self) -> tuple[int, int, Array]:
+        return self.k_stats.shape[-1], self.v_stats.shape[-2], self.k_stats
+
+    def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
+        """Pages `page` [B, Hkv, m] dequantized: keys and values [B, Hkv, m, G, D] `dtype`."""
+        at = _page_at(page)
+        return dequantize_kernel_pages(
+            at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype
+        )
+
+    def dequantize(self, dtype: Any) -> tuple[Array, Array]:
+        """Every page dequantized: keys and values [B, Hkv, P, G, D] `dtype`."""
+        return dequantize_kernel_pages(self.k, self.v, self.k_stats, self.v_stats, self.bits, dtype)
+
+    def write(self, page: Array, xk: Array, xv: Array) -> KernelLowBitTier:
+        """As `LowBitTier.write`, in this layout."""
+        k, v, ks, vs = quantize_kernel_pages(xk, xv, self.bits, self.v_stats.shape[-2])
+        put = _page_put(page)
+        return self.replace(
+            k=put(self.k, k), v=put(self.v, v), k_stats=put(self.k_stats, ks),
+            v_stats=put(self.v_stats, vs),
+        )  # fmt: skip
 
 
 @struct.dataclass
@@ -186,7 +333,8 @@ class LayerCache:
         pos: [B, Hkv, C] int32 original position of the token in each slot; EMPTY (-1) if free.
         score: [B, Hkv, C] float32, the policy's per-slot score (its meaning is the policy's).
         int8: the INT8 tier, or None.
-        lowbit: the paged low-bit tier, or None.
+        lowbit: the paged low-bit tier (`LowBitTier`, or `KernelLowBitTier` in the Mosaic
+            GPU kernel's layout), or None.
         aux: per-layer state owned by the policy (a pytree, e.g. QEvict's ledger links), or None.
         head: None for per-head slots; for a pooled layer (`CacheSpec.pooled`) [B, 1, P] int32,
             the KV head owning each slot of the pool: k, v are then [B, 1, P, D] and pos, score
@@ -199,7 +347,7 @@ class LayerCache:
     pos: Array
     score: Array
     int8: Int8Tier | None = None
-    lowbit: LowBitTier | None = None
+    lowbit: LowBitTier | KernelLowBitTier | None = None
     aux: Any = None
     head: Array | None = None
     pool_heads: int = struct.field(pytree_node=False, default=0)
@@ -308,8 +456,20 @@ def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
     )
 
 
-def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier:
+def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier | KernelLowBitTier:
     b, h, d, g = spec.batch, spec.num_kv_heads, spec.head_dim, spec.lowbit_page_size
+    if spec.lowbit_layout == "kernel":  # shapes checked by CacheSpec
+        ng, dn = d // spec.lowbit_value_group, d * spec.lowbit_bits // 4
+        return KernelLowBitTier(
+            k=jnp.zeros((b, h, pages, g, dn), jnp.int4),
+            v=jnp.zeros((b, h, pages, dn, g), jnp.int4),
+            k_stats=jnp.zeros((b, h, pages, 2, d), STAT_DTYPE),
+            v_stats=jnp.zeros((b, h, pages, 2, ng, g), STAT_DTYPE),
+            pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),
+            score=jnp.zeros((b, h, pages), jnp.float32),
+            held=jnp.zeros((b, h, pages), bool),
+            bits=spec.lowbit_bits,
+        )
     dp = d * spec.lowbit_bits // 8
     if d % spec.lowbit_value_group or (d * spec.lowbit_bits) % 8:
         raise ValueError(

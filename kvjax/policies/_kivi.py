@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from kvjax.cache import CacheSpec
 from kvjax.policies._base import Policy
-from kvjax.quant import BITS, pack, quantize_per_channel, quantize_per_token
+from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
+from kvjax.quant import BITS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,10 @@ class KIVIPolicy(Policy):
         group: G, tokens per key-quantization group (one page).
         bits: code width (2 by default; 4 and 8 allowed).
         value_group: channels sharing one value scale/zero.
+        lowbit_layout: the pages' layout in the cache (`CacheSpec.lowbit_layout`): "token",
+            "kernel" (the Mosaic GPU low-bit kernel's own: 64-token pages, 2 or 4 bits) or
+            "auto", the default: the device Tuning's choice where the shapes allow (Hopper:
+            "kernel" for bfloat16 caches at those shapes), else "token".
     """
 
     uses_attention_mass: ClassVar[bool] = False
@@ -37,6 +42,7 @@ class KIVIPolicy(Policy):
     group: int = 32
     bits: int = 2
     value_group: int = 32
+    lowbit_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.group < 1 or self.residual < self.group or self.residual % self.group:
@@ -44,6 +50,7 @@ class KIVIPolicy(Policy):
                 f"KIVIPolicy.residual ({self.residual}) must be a positive multiple "
                 f"of group ({self.group})"
             )
+        check_layout("KIVIPolicy", self.lowbit_layout)
         if self.bits not in BITS:
             raise ValueError(f"KIVIPolicy.bits must be one of {BITS}, got {self.bits}")
 
@@ -62,6 +69,14 @@ class KIVIPolicy(Policy):
             lowbit_page_size=self.group,
             lowbit_bits=self.bits,
             lowbit_value_group=min(self.value_group, head_dim),
+            lowbit_layout=lowbit_layout(
+                self.lowbit_layout,
+                page=self.group,
+                head_dim=head_dim,
+                bits=self.bits,
+                value_group=min(self.value_group, head_dim),
+                dtype=dtype,
+            ),
         )
 
     def write(self, layer, k_new, v_new, pos_new, valid, stats, state, *, layer_index):
@@ -130,8 +145,6 @@ class KIVIPolicy(Policy):
         n_pages = ok.shape[1]
         pk = ks[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
         pv = vs[:, :, : n_pages * g].reshape(b, h, n_pages, g, d)
-        kc, k_scale, k_zero = quantize_per_channel(pk, self.bits)
-        vc, v_scale, v_zero = quantize_per_token(pv, self.bits, d // lb.v_scale.shape[-1])
         j = jnp.arange(n_pages, dtype=jnp.int32)[None, :]
         page = jnp.where(ok, f0[:, None] // g + j, lb.pos.shape[2])[:, None, :]  # [B, 1, P']
         page = jnp.broadcast_to(page, (b, h, n_pages))
@@ -141,13 +154,7 @@ class KIVIPolicy(Policy):
         bi = jnp.arange(b)[:, None, None]
         hi = jnp.arange(h)[None, :, None]
         put = lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
-        lb = lb.replace(
-            k=put(lb.k, pack(kc, self.bits)),
-            v=put(lb.v, pack(vc, self.bits)),
-            k_scale=put(lb.k_scale, k_scale),
-            k_zero=put(lb.k_zero, k_zero),
-            v_scale=put(lb.v_scale, v_scale),
-            v_zero=put(lb.v_zero, v_zero),
+        lb = lb.write(page, pk, pv).replace(
             pos=put(lb.pos, jnp.broadcast_to(tok_pos, (b, h, n_pages, g))),
             held=put(lb.held, jnp.ones((b, h, n_pages), bool)),
         )

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
 from kvjax.policies._base import Policy, cached_tokens
+from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
 from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
 from kvjax.quant import BITS
@@ -46,6 +47,10 @@ class QEvictPolicy(Policy):
         quant_share: q, the share of the routed budget the low-bit tier takes under pressure.
         bits: code width of the low-bit tier (2, 4 or 8).
         value_group: channels per value scale/zero (None: one group per token, as the paper).
+        lowbit_layout: the pages' layout in the cache (`CacheSpec.lowbit_layout`): "token",
+            "kernel" (the Mosaic GPU low-bit kernel's own: 64-token pages, 2 or 4 bits) or
+            "auto", the default: the device Tuning's choice where the shapes allow (Hopper:
+            "kernel" for bfloat16 caches at those shapes), else "token".
         moves: windows an event quantizes, and windows it brings into full precision, per round
             and KV head; an event runs as many rounds as its busiest head needs, each reading
             only the windows it moves. None: one round over every candidate (same result).
@@ -67,12 +72,14 @@ class QEvictPolicy(Policy):
     value_group: int | None = None
     moves: int | None = 16
     position_shift: bool = False
+    lowbit_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.position_shift, bool):
             raise ValueError(
                 f"QEvictPolicy.position_shift must be True or False, got {self.position_shift!r}"
             )
+        check_layout("QEvictPolicy", self.lowbit_layout)
         if self.window < 1:
             raise ValueError(f"QEvictPolicy.window must be >= 1, got {self.window}")
         if self.sinks < 0:
@@ -149,6 +156,7 @@ class QEvictPolicy(Policy):
     def cache_spec(self, *, batch, num_layers, num_kv_heads, head_dim, max_len, dtype):
         del max_len
         lay = self.layout(head_dim, dtype)
+        vg = head_dim if self.value_group is None else self.value_group
         return CacheSpec(
             batch=batch,
             num_kv_heads=num_kv_heads,
@@ -158,7 +166,15 @@ class QEvictPolicy(Policy):
             lowbit_pages=(lay.pages,) * num_layers,
             lowbit_page_size=self.window,
             lowbit_bits=self.bits,
-            lowbit_value_group=head_dim if self.value_group is None else self.value_group,
+            lowbit_value_group=vg,
+            lowbit_layout=lowbit_layout(
+                self.lowbit_layout,
+                page=self.window,
+                head_dim=head_dim,
+                bits=self.bits,
+                value_group=vg,
+                dtype=dtype,
+            ),
         )
 
     def live_bytes_bound(self, spec: CacheSpec) -> int:

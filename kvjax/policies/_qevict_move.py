@@ -18,15 +18,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.quant import (
-    dequantize_per_channel,
-    dequantize_per_token,
-    pack,
-    quantize_per_channel,
-    quantize_per_token,
-    unpack,
-)
-
 Array = jax.Array
 
 
@@ -139,36 +130,19 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
 
     def window(a, new, deq):
-        """The source windows [B, H, m, ω, D] of one of K or V."""
+        """The source windows [B, H, m, ω, D] of one of K or V (`deq`: its pages at src)."""
         x = _take_new(new, src - f - npg)
-        page = jnp.clip(src - f, 0, npg - 1)
-        x = jnp.where((src < f + npg)[..., None, None], deq(page).astype(x.dtype), x)
+        x = jnp.where((src < f + npg)[..., None, None], deq.astype(x.dtype), x)
         if f == 0:
             return x
         t = (base + jnp.clip(src, 0, f - 1)[..., None] * w + tok).reshape(b, h, m * w)
         fp = jnp.take_along_axis(a, t[..., None], axis=2).reshape(x.shape)
         return jnp.where((src < f)[..., None, None], fp, x)
 
-    at = lambda a, i: jnp.take_along_axis(a, i.reshape(i.shape + (1,) * (a.ndim - 3)), axis=2)
-    deq_k = lambda i: dequantize_per_channel(
-        unpack(at(lb.k, i), lb.bits), at(lb.k_scale, i), at(lb.k_zero, i), k.dtype
-    )
-    deq_v = lambda i: dequantize_per_token(
-        unpack(at(lb.v, i), lb.bits), at(lb.v_scale, i), at(lb.v_zero, i), v.dtype
-    )
+    deq_k, deq_v = lb.read(jnp.clip(src - f, 0, npg - 1), k.dtype)
     x_k, x_v = window(k, job.new_k, deq_k), window(v, job.new_v, deq_v)
     # Quantize rounds: into the allocated pages (a promoted page is held, never written here).
-    page = jnp.where(quantize, dst, npg)
-    kc, ks, kz = quantize_per_channel(x_k, lb.bits)
-    vc, vs, vz = quantize_per_token(x_v, lb.bits, k.shape[-1] // lb.v_scale.shape[-1])
-    lb = lb.replace(
-        k=put(lb.k, page, pack(kc, lb.bits)),
-        v=put(lb.v, page, pack(vc, lb.bits)),
-        k_scale=put(lb.k_scale, page, ks),
-        k_zero=put(lb.k_zero, page, kz),
-        v_scale=put(lb.v_scale, page, vs),
-        v_zero=put(lb.v_zero, page, vz),
-    )
+    lb = lb.write(jnp.where(quantize, dst, npg), x_k, x_v)
     # Promote rounds: into the window slots (their positions and scores are the event's).
     live = ~quantize & (dst < f)
     slot = jnp.where(live[..., None], base + dst[..., None] * w + tok, layer.capacity)

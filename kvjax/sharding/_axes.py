@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from kvjax.cache import Cache, Int8Tier, LayerCache, LowBitTier
+from kvjax.cache import Cache, Int8Tier, KernelLowBitTier, LayerCache, LowBitTier
 
 
 class Axis(enum.StrEnum):
@@ -101,6 +101,16 @@ _LOWBIT_AXES: dict[str, tuple[Axis | None, ...]] = {
     "score": (B, H, C),
     "held": (B, H, C),
 }
+_KERNEL_LOWBIT_AXES: dict[str, tuple[Axis | None, ...]] = {
+    # KernelLowBitTier: values channel-major, statistics stacked on an axis of 2.
+    "k": (B, H, C, Axis.PAGE, D),
+    "v": (B, H, C, D, Axis.PAGE),
+    "k_stats": (B, H, C, None, D),
+    "v_stats": (B, H, C, None, None, Axis.PAGE),
+    "pos": (B, H, C, Axis.PAGE),
+    "score": (B, H, C),
+    "held": (B, H, C),
+}
 
 
 def param_names(params: Any) -> Any:
@@ -152,7 +162,11 @@ def layer_names(layer: LayerCache) -> LayerCache:
     if layer.int8 is not None:
         int8 = Int8Tier(**_fields(layer.int8, _TIER_AXES))
     if layer.lowbit is not None:
-        lowbit = LowBitTier(**_fields(layer.lowbit, _LOWBIT_AXES), bits=layer.lowbit.bits)
+        lb = layer.lowbit
+        if isinstance(lb, KernelLowBitTier):
+            lowbit = KernelLowBitTier(**_fields(lb, _KERNEL_LOWBIT_AXES), bits=lb.bits)
+        else:
+            lowbit = LowBitTier(**_fields(lb, _LOWBIT_AXES), bits=lb.bits)
     if layer.head is not None:  # a pool shared by the KV heads: its head axis (1) unsplit
         slot, data = Names((B, None, C)), Names((B, None, C, D))
         return LayerCache(

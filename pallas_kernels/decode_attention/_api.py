@@ -73,8 +73,9 @@ def decode_attention(
         num_splits: splits per (sequence, KV head) (default: fill the chip).
         layer: None, or an int32 scalar: the full and INT8 tiers' slot arrays are then stacks
             [L, B, Hkv, ...] read at this layer in place (`decode_attention_triton`'s `layer`;
-            GPU backends only, dense tiers run by the Triton kernels); the low-bit tier is
-            per layer as always.
+            GPU backends only, dense tiers run by the Triton kernels); a ChannelMajorLowBitTier
+            whose arrays carry the same leading [L] axis is read at it in place too (its
+            extent is the layer's); a token-major LowBitTier is per layer.
 
     A ChannelMajorLowBitTier as `lowbit` (`to_channel_major`) runs the Mosaic GPU low-bit kernel
     (`decode_attention_lowbit_mgpu`, GPU backends only; its logits as the others').
@@ -128,7 +129,7 @@ def decode_attention(
     if backend != "tpu":
         dense = functools.partial(_gpu_dense, dense, backend=backend)
     tiling = dict(block_k=block_k, num_splits=num_splits)
-    if layer is not None:  # a stacked dense tier (the low-bit tier is always per layer)
+    if layer is not None:  # a stacked dense tier (a token-major low-bit tier is per layer)
         tiling["layer"] = layer
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
@@ -148,6 +149,7 @@ def decode_attention(
                 num_splits=num_splits,
                 return_logits=return_logits,
                 interpret=interpret,
+                layer=layer if lowbit.k.ndim == 6 else None,  # stacked: read in place
             )  # fmt: skip
         )
     elif lowbit is not None:

@@ -95,14 +95,15 @@ def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
 
 
 def _kernel(
+    layer_ref,  # [1] int32: the layer of the stacked arrays below (0 for one layer)
     extent_ref,  # [B, Hkv] int32
     qpos_ref,  # [B] int32
     q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
-    k_ref,  # [B, Hkv, P, 64, D·bits/8] uint8
-    v_ref,  # [B, Hkv, P, D, 64·bits/8] uint8
-    ks_ref,  # [B, Hkv, P, 2, D] bf16 kernel-ready key statistics
-    vs_ref,  # [B, Hkv, P, 2, NG, 64] bf16 kernel-ready value statistics
-    pos_ref,  # [B, Hkv, P, 64] int32
+    k_ref,  # [L, B, Hkv, P, 64, D·bits/8] uint8 (L layers: a stacked cache's, or 1)
+    v_ref,  # [L, B, Hkv, P, D, 64·bits/8] uint8
+    ks_ref,  # [L, B, Hkv, P, 2, D] bf16 kernel-ready key statistics
+    vs_ref,  # [L, B, Hkv, P, 2, NG, 64] bf16 kernel-ready value statistics
+    pos_ref,  # [L, B, Hkv, P, 64] int32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, P, 64, N] f32 (return_logits; pages >= extent never written),
@@ -134,11 +135,12 @@ def _kernel(
         bars = stage
     q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    pages_cap = k_ref.shape[2]
+    lay = layer_ref[0]
+    pages_cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
     n = (4 if native else 8) // bits  # code slices a stored nibble (native) or byte
     w = d // n  # channels per key code slice
-    ng = vs_ref.shape[4]
+    ng = vs_ref.shape[5]
     halves = d // 64
     grp = [(r * 64) // (d // ng) for r in range(halves)]  # value group of each 64-channel half
     extent = jnp.minimum(extent_ref[b, h], pages_cap)
@@ -154,11 +156,12 @@ def _kernel(
     def issue(i, slot, when):
         @pl.when(when)
         def _():
-            plgpu.copy_gmem_to_smem(k_ref.at[b, h, i], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, h, i], v_smem.at[slot], v_bar.at[slot])
-            plgpu.copy_gmem_to_smem(ks_ref.at[b, h, i], ks_smem.at[slot], ks_bar.at[slot])
-            plgpu.copy_gmem_to_smem(vs_ref.at[b, h, i], vs_smem.at[slot], vs_bar.at[slot])
-            plgpu.copy_gmem_to_smem(pos_ref.at[b, h, i], pos_smem.at[slot], pos_bar.at[slot])
+            at = (lay, b, h, i)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ks_ref.at[at], ks_smem.at[slot], ks_bar.at[slot])
+            plgpu.copy_gmem_to_smem(vs_ref.at[at], vs_smem.at[slot], vs_bar.at[slot])
+            plgpu.copy_gmem_to_smem(pos_ref.at[at], pos_smem.at[slot], pos_bar.at[slot])
 
     for j in range(stages):
         issue(first + j, j, first + j < last)
@@ -283,6 +286,7 @@ def decode_attention_lowbit_mgpu(
     int4_load: str = "upcast2x",
     return_logits: bool = False,
     interpret: bool = False,
+    layer: Array | None = None,
 ) -> Partials:
     """One decode query per sequence attending one low-bit tier (Mosaic GPU, tokens on M).
 
@@ -300,6 +304,9 @@ def decode_attention_lowbit_mgpu(
         return_logits: also return the scaled logits of every slot (for the policies that rank
             by attention mass): each page's [64, N] tile stored as the page is read.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
+        layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
+            then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
+            the stack is copied); `extent` is the layer's own [B, Hkv].
 
     Returns:
         Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and, with return_logits,
@@ -307,14 +314,29 @@ def decode_attention_lowbit_mgpu(
         extent are not read, their logits undefined, as the other kernels' unread slots).
     """
     check_query(q, q_pos)
-    check_channel_major(tier, q, bits)
-    why = mgpu_lowbit_applies(tier, q)
+    if not isinstance(tier, ChannelMajorLowBitTier):
+        check_channel_major(tier, q, bits)  # raises: names what was given
+    data = (tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
+    if layer is not None:  # checked as one layer of the stack
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+        if any(getattr(a, "ndim", 0) < 1 for a in data):
+            raise ValueError("layer= needs the tier's arrays stacked with a leading layer axis")
+        one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+        view = tier._replace(k=one(tier.k), v=one(tier.v), k_stats=one(tier.k_stats),
+                             v_stats=one(tier.v_stats), pos=one(tier.pos))  # fmt: skip
+        lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    else:
+        view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis
+        lay = jnp.zeros((1,), jnp.int32)
+    check_channel_major(view, q, bits)
+    why = mgpu_lowbit_applies(view, q)
     if why:
         raise ValueError(f"decode attention (Mosaic GPU low-bit): unsupported {why}")
     if int4_load not in INT4_LOADS:
         raise ValueError(f"int4_load must be one of {INT4_LOADS}, got {int4_load!r}")
     b, hkv, group, d = q.shape
-    pages = tier.k.shape[2]
+    pages = view.k.shape[2]
     tune = tuning_for()
     stages = max(1, min(stages or tune.mgpu_stages, pages))
     splits = num_splits or _num_splits(b, hkv, pages, tune.mgpu_target_programs)
@@ -327,15 +349,15 @@ def decode_attention_lowbit_mgpu(
     ]
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, pages, PAGE, cols), f32))
-    ng = tier.v_stats.shape[4]
-    native = tier.k.dtype == jnp.int4
+    ng = view.v_stats.shape[4]
+    native = view.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
         codes = [
             smem_tile((stages, PAGE, d * bits // 4), jnp.int4),
             smem_tile((stages, d * bits // 4, PAGE), jnp.int4),
         ]
     else:
-        kbytes, vbytes = tier.k.shape[-1], tier.v.shape[-1]
+        kbytes, vbytes = view.k.shape[-1], view.v.shape[-1]
         codes = [
             plgpu.SMEM((stages, PAGE, kbytes), jnp.uint8),
             plgpu.SMEM((stages, d, vbytes), jnp.uint8),
@@ -366,9 +388,7 @@ def decode_attention_lowbit_mgpu(
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret
     )
-    o, lse, *lg = launch(
-        tier.extent, q_pos, qp, tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos
-    )
+    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, *data)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits:  # [B, Hkv, P, 64, N] -> [B, Hkv, G, P·64]

@@ -41,6 +41,9 @@ class Tuning:
         mgpu_block_k: slots per pipeline step of the Mosaic GPU kernels (a multiple of 64).
         mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
+        lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
+            (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
+            own layout faster than the Triton kernel reads the token-major one.
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
             Mosaic GPU kernels on this device (measured faster there); others use Triton.
     """
@@ -62,6 +65,7 @@ class Tuning:
     mgpu_stages: int = 2
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
+    lowbit_cache_layout: str = "token"
 
 
 DEFAULT = Tuning()
@@ -87,6 +91,13 @@ _HOPPER = Tuning(
     # B = 8, S = 32K: BF16 328.5 vs 294.7 µs, INT8 315.7 vs 192.5 µs; docs/lab/
     # 2026-12-01-mosaic-kernels.md), so the dispatch keeps Triton here: mgpu_tiers=().
     mgpu_tiers=(),
+    # KIVI at 64-token pages, value groups of 64, B = 8, 32K, 8 layers unrolled: the Mosaic GPU
+    # kernel over the cache's own int4 pages 181.3 µs a layer at INT4 against Triton's 237.6
+    # over bytes (step 3.271 vs 3.707 ms), 189.9 vs 193.3 µs at INT2 (3.373 vs 3.488 ms)
+    # (H200, 2026-12-03; docs/lab/2026-12-03-h200-kernel-layout-cache.md). Under the layer
+    # scan, read in the stack in place: 32 layers 12.51 / 12.42 ms (INT2 / INT4) against
+    # token-major 15.92 / 19.99 (full 14.25).
+    lowbit_cache_layout="kernel",
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,

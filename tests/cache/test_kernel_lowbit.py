@@ -1,0 +1,272 @@
+"""The low-bit tier in the Mosaic GPU kernel's layout (`CacheSpec.lowbit_layout="kernel"`,
+`KernelLowBitTier`): its quantizer against float64 bounds, its pages against the token-major
+tier's bytes, write-once KIVI pages, the kernel reading the cache as stored against the XLA
+path, sharding names, and clear errors for shapes the layout cannot hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax import quant
+from kvjax.attention import AttnStats, attend
+from kvjax.cache import CacheSpec, KernelLowBitTier, LayerCache, init_cache, physical_bytes
+from kvjax.policies import make_policy
+from kvjax.quant._kernel_layout import slice_values
+
+
+def _spec(bits=2, vg=64, page=64, pages=3, layout="kernel", **kw):
+    return CacheSpec(
+        batch=2, num_kv_heads=2, head_dim=128, capacities=(8,), dtype=jnp.bfloat16,
+        lowbit_pages=(pages,), lowbit_page_size=page, lowbit_bits=bits,
+        lowbit_value_group=vg, lowbit_layout=layout, **kw,
+    )  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bits=st.sampled_from([2, 4, 8]),
+    loc=st.sampled_from([0.0, 3.0, -250.0, 1e4]),
+    spread=st.sampled_from([1e-3, 1.0, 40.0]),
+)
+def test_offset_quantizer_meets_its_float64_bound(seed, bits, loc, spread):
+    """|x − (codes − o)·scale − zero| ≤ scale/2 in float64 for every offset o, with the scale
+    bound of the docstring; offset 0 is exactly `quantize_per_channel`."""
+    rng = np.random.default_rng(seed)
+    x = (loc + spread * rng.standard_normal((3, 16, 8))).astype(np.float32)
+    levels = (1 << bits) - 1
+    offs = np.array([0, 1, 1 << (bits - 1), levels - 1, 0, 2, 1 << (bits - 1), 1]).reshape(1, 1, 8)
+    codes, scale, zero = quant.quantize_offset(jnp.asarray(x), bits, -2, offs)
+    c = np.asarray(codes, np.float64)
+    s, z = (np.asarray(a, np.float64) for a in (scale, zero))
+    assert c.min() >= 0 and c.max() <= levels
+    err = np.abs(x.astype(np.float64) - ((c - offs) * s + z))
+    tol = s / 2 * (1 + 1e-5) + 1e-6 * np.abs(x).max(axis=-2, keepdims=True)
+    assert np.all(err <= tol)
+    lo, hi = x.min(axis=-2, keepdims=True), x.max(axis=-2, keepdims=True)
+    o = np.maximum(np.minimum(offs, levels - offs), 1)
+    bound = (1 + 2**-7) * ((hi - lo) / levels + 2**-8 * np.abs(z) / o) + 1e-30
+    assert np.all(s <= bound * (1 + 1e-6))
+    kc, ks, kz = quant.quantize_per_channel(jnp.asarray(x), bits)
+    zero_off = offs[0, 0] == 0
+    np.testing.assert_array_equal(np.asarray(codes)[..., zero_off], np.asarray(kc)[..., zero_off])
+    for got, want in ((scale, ks), (zero, kz)):
+        np.testing.assert_array_equal(
+            np.asarray(got)[:, 0, zero_off], np.asarray(want)[:, zero_off]
+        )
+
+
+@pytest.mark.parametrize("bits, groups", [(2, 2), (4, 2), (4, 1)])
+def test_kernel_pages_dequantize_within_half_a_step_of_float64(bits, groups):
+    """Each key channel and value group back within scale/2, the scale read from the
+    kernel-ready statistics (scale·2^-(slice·bits)); the slices are what the kernel reads."""
+    rng = np.random.default_rng(bits + groups)
+    xk = (1.5 + 3 * rng.standard_normal((2, 3, 64, 128))).astype(np.float32)
+    xv = rng.standard_normal((2, 3, 64, 128)).astype(np.float32)
+    k, v, ks, vs = quant.quantize_kernel_pages(jnp.asarray(xk), jnp.asarray(xv), bits, groups)
+    assert k.dtype == v.dtype == jnp.int4 and ks.dtype == vs.dtype == jnp.bfloat16
+    assert k.shape == (2, 3, 64, 128 * bits // 4) and v.shape == (2, 3, 128 * bits // 4, 64)
+    assert ks.shape == (2, 3, 2, 128) and vs.shape == (2, 3, 2, groups, 64)
+    dk, dv = (np.asarray(a, np.float64) for a in quant.dequantize_kernel_pages(k, v, ks, vs, bits))
+    n = 4 // bits
+    kslice = np.arange(128) // (128 // n)
+    kscale = np.asarray(ks[..., 0, :], np.float64) * 2.0 ** (kslice * bits)  # [.., D]
+    assert np.all(np.abs(dk - xk) <= kscale[..., None, :] / 2 * (1 + 1e-5) + 1e-6)
+    gslice = np.arange(groups) // max(groups // n, 1) if n > 1 else np.zeros(groups, int)
+    vscale = np.asarray(vs[..., 0, :, :], np.float64) * 2.0 ** (gslice * bits)[:, None]
+    vstep = np.repeat(np.swapaxes(vscale, -1, -2), 128 // groups, axis=-1)  # [.., T, D]
+    assert np.all(np.abs(dv - xv) <= vstep / 2 * (1 + 1e-5) + 1e-6)
+    # The kernel's read of a nibble: slice c masked, (code − offset)·2^(c·bits)
+    nib = np.asarray(k, np.int8)
+    sl = np.asarray(slice_values(k, bits, axis=-1))
+    for c in range(n):
+        part = sl[..., c * 128 // n : (c + 1) * 128 // n]
+        assert np.all(part % 2 ** (c * bits) == 0)
+    assert nib.min() >= -8 and nib.max() <= 7
+
+
+def test_spec_refuses_what_the_layout_cannot_hold():
+    with pytest.raises(ValueError, match="64-token pages"):
+        _spec(page=32)
+    with pytest.raises(ValueError, match="holds"):
+        _spec(bits=8)
+    with pytest.raises(ValueError, match="value groups of 64"):
+        _spec(bits=2, vg=128)
+    with pytest.raises(ValueError, match="multiple of 64 channels"):
+        _spec(bits=4, vg=32)
+    with pytest.raises(ValueError, match="lowbit_layout must be one of"):
+        _spec(layout="channels")
+    with pytest.raises(ValueError, match="KIVIPolicy.lowbit_layout must be one of"):
+        make_policy("kivi", lowbit_layout="int4")
+    _spec(layout="token", page=32, bits=8)  # the token-major tier takes them
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_same_bytes_as_the_token_major_tier_measured_from_the_arrays(bits):
+    kern = init_cache(_spec(bits=bits)).layers[0].lowbit
+    tok = init_cache(_spec(bits=bits, layout="token")).layers[0].lowbit
+    assert isinstance(kern, KernelLowBitTier)
+    assert kern.page_bytes() == tok.page_bytes()
+    b, h, p = kern.held.shape
+    data = (kern.k, kern.v, kern.k_stats, kern.v_stats)
+    measured = sum(a.size * jnp.iinfo(a.dtype).bits // 8 if a.dtype == jnp.int4
+                   else a.size * a.dtype.itemsize for a in data)  # fmt: skip
+    assert measured == b * h * p * kern.page_bytes()
+    one = lambda lb: physical_bytes(init_cache(_spec(bits=bits, layout=lb)))
+    assert one("kernel") == one("token")
+
+
+def test_kivi_pages_are_written_once_in_the_kernel_layout():
+    """KIVI's pages hold quantize_kernel_pages of each 64-token group, written once; the
+    residual stays in full precision."""
+    r, g, h, d = 64, 64, 2, 128
+    policy = make_policy("kivi", residual=r, group=g, value_group=64, lowbit_layout="kernel")
+    n = 200
+    spec = policy.cache_spec(
+        batch=1, num_layers=1, num_kv_heads=h, head_dim=d, max_len=n, dtype=jnp.bfloat16
+    )
+    layer = init_cache(spec).layers[0]
+    assert isinstance(layer.lowbit, KernelLowBitTier)
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((n, h, d)).astype(np.float32)
+    vals = rng.standard_normal((n, h, d)).astype(np.float32)
+    seen, start = {}, 0
+    for t in (70, 1, 1, 60, 68):
+        k, v = (jnp.asarray(a[start : start + t], jnp.bfloat16)[None] for a in (keys, vals))
+        stats = AttnStats(
+            slot_mass=jnp.zeros((1, h, r)), new_mass=jnp.zeros((1, h, t)), lse=jnp.zeros((1, t, h))
+        )
+        pos = jnp.arange(start, start + t, dtype=jnp.int32)[None]
+        layer = policy.write(layer, k, v, pos, jnp.ones((1, t), bool), stats, None, layer_index=0)
+        start += t
+        lb = layer.lowbit
+        for p in range((start // r) * r // g):
+            toks = slice(p * g, (p + 1) * g)
+            pk, pv = (jnp.asarray(a[toks], jnp.bfloat16).transpose(1, 0, 2) for a in (keys, vals))
+            want = quant.quantize_kernel_pages(pk, pv, 2, 2)
+            for got, w in zip((lb.k, lb.v, lb.k_stats, lb.v_stats), want, strict=True):
+                np.testing.assert_array_equal(np.asarray(got[0, :, p]), np.asarray(w))
+            codes = np.asarray(lb.k[0, :, p], np.int8)
+            assert np.array_equal(seen.setdefault(p, codes), codes), "page rewritten"
+            np.testing.assert_array_equal(
+                np.asarray(lb.pos[0, 0, p]), np.arange(p * g, (p + 1) * g)
+            )
+        assert not np.any(np.asarray(lb.held[0, :, (start // r) * r // g :]))
+
+
+def _kernel_layer(seed: int, bits: int) -> LayerCache:
+    """A bfloat16 layer (D 128) with full-precision slots and kernel-layout pages, holes and a
+    dormant page."""
+    b, h, c, pages, d = 2, 2, 24, 3, 128
+    rng = np.random.default_rng(seed)
+    nrm = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+
+    def pos(*s):
+        p = rng.integers(0, 300, s).astype(np.int32)
+        p[rng.random(s) < 0.25] = -1
+        return jnp.asarray(p)
+
+    layer = init_cache(dataclasses.replace(_spec(bits=bits), capacities=(c,))).layers[0]
+    every = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (b, h, pages))
+    lb = layer.lowbit.write(every, nrm(b, h, pages, 64, d), nrm(b, h, pages, 64, d))
+    lpos = pos(b, h, pages, 64).at[0, 1, 1].set(-1)
+    lb = lb.replace(pos=lpos, held=jnp.ones((b, h, pages), bool))
+    return layer.replace(k=nrm(b, h, c, d), v=nrm(b, h, c, d), pos=pos(b, h, c), lowbit=lb)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_kernel_reads_the_cache_as_stored_and_equals_xla(bits):
+    """attend(pallas) — the Mosaic GPU low-bit kernel over the cache's own arrays (interpreted
+    here) — equals attend(xla), which dequantizes the same pages, mass included."""
+    layer = _kernel_layer(bits, bits)
+    b, h, d = 2, 2, 128
+    rng = np.random.default_rng(bits)
+    q = jnp.asarray(rng.standard_normal((b, 1, h * 4, d)) / 4, jnp.bfloat16)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16) for _ in "kv")
+    args = (q, layer, k_new, v_new, jnp.array([[280], [299]], jnp.int32), jnp.ones((b, 1), bool))
+    want_out, want = attend(*args, implementation="xla")
+    got_out, got = attend(*args, implementation="pallas")
+    f32 = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_allclose(f32(got_out), f32(want_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(f32(got.lowbit_mass), f32(want.lowbit_mass), atol=5e-3)
+    np.testing.assert_allclose(f32(got.slot_mass), f32(want.slot_mass), atol=5e-3)
+
+
+def test_sharding_names_mirror_the_kernel_tier():
+    from kvjax.sharding import layer_names
+
+    layer = init_cache(_spec()).layers[0]
+    names = layer_names(layer)
+    assert jax.tree.structure(names) == jax.tree.structure(layer)
+    assert isinstance(names.lowbit, KernelLowBitTier)
+    for field in ("k", "v", "k_stats", "v_stats", "pos"):
+        assert len(getattr(names.lowbit, field).axes) == getattr(layer.lowbit, field).ndim, field
+
+
+def test_auto_takes_the_tunings_layout_only_where_the_shapes_fit(monkeypatch):
+    from kvjax.pallas_kernels.decode_attention import _tuning
+
+    def spec(policy, d=128, dtype=jnp.bfloat16):
+        return policy.cache_spec(
+            batch=1, num_layers=1, num_kv_heads=2, head_dim=d, max_len=256, dtype=dtype
+        )
+
+    fits = make_policy("kivi", residual=64, group=64, value_group=64)
+    kind = jax.devices()[0].device_kind
+    for named in ("token", "kernel"):  # whatever this device's own Tuning names
+        tune = dataclasses.replace(_tuning.tuning_for(kind), lowbit_cache_layout=named)
+        monkeypatch.setitem(_tuning.TUNINGS, kind, tune)
+        assert spec(fits).lowbit_layout == named
+    assert spec(fits, dtype=jnp.float32).lowbit_layout == "token"  # the kernel's q is bf16
+    assert spec(make_policy("kivi")).lowbit_layout == "token"  # 32-token pages
+    assert spec(make_policy("kivi", residual=64, group=64)).lowbit_layout == "token"  # groups 32
+    assert spec(make_policy("qevict", 512)).lowbit_layout == "token"  # 8-token windows
+    assert spec(
+        make_policy("kivi", residual=64, group=64, lowbit_layout="token")
+    ).lowbit_layout == ("token")
+
+
+def test_a_tpu_refuses_the_kernel_layout_by_name(monkeypatch):
+    from kvjax.attention import _pallas
+
+    monkeypatch.setattr(_pallas, "default_backend", lambda *a: "tpu")
+    layer = _kernel_layer(0, 2)
+    q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+    kv = jnp.zeros((2, 1, 2, 128), jnp.bfloat16)
+    args = (q, layer, kv, kv, jnp.array([[280], [299]], jnp.int32), jnp.ones((2, 1), bool))
+    with pytest.raises(ValueError, match="lowbit_layout='token'"):
+        attend(*args, implementation="pallas")
+
+
+def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place():
+    """`layer=` on a stack of three layers' kernel-layout pages gives exactly the call on that
+    layer's own arrays (the layer scan's read, without a slice of the stack)."""
+    from kvjax.pallas_kernels.decode_attention import ChannelMajorLowBitTier
+    from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
+
+    layers = [_kernel_layer(10 + i, 4).lowbit for i in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 2, 4, 128)) / 4, jnp.bfloat16)
+    q_pos = jnp.array([280, 299], jnp.int32)
+
+    def tier(lb, extent_of):
+        extent = jnp.sum(jnp.any(extent_of.pos >= 0, axis=-1), axis=-1, dtype=jnp.int32)
+        return ChannelMajorLowBitTier(lb.k, lb.v, lb.k_stats, lb.v_stats, lb.pos, extent)
+
+    run = lambda t, **kw: decode_attention_lowbit_mgpu(
+        q, t, q_pos, bits=4, scale=0.1, num_splits=2, return_logits=True, interpret=True, **kw
+    )
+    want = run(tier(layers[1], layers[1]))
+    got = run(tier(stack, layers[1]), layer=jnp.int32(1))
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="integer scalar"):
+        run(tier(stack, layers[1]), layer=jnp.ones((2,), jnp.int32))
