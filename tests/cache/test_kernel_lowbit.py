@@ -270,3 +270,23 @@ def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="integer scalar"):
         run(tier(stack, layers[1]), layer=jnp.ones((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("layout", ["kernel", "token"])
+def test_read_gives_the_written_pages_and_drops_out_of_range_writes(layout):
+    """`write` puts pages where asked (an index ≥ P writes nothing), `read` gets exactly those
+    pages' `dequantize` back (QEvict's recovery path), in either layout."""
+    lb = init_cache(_spec(layout=layout)).layers[0].lowbit
+    rng = np.random.default_rng(7)
+    x = lambda: jnp.asarray(rng.standard_normal((2, 2, 2, 64, 128)), jnp.bfloat16)
+    page = jnp.asarray([[[2, 3], [0, 2]], [[1, 0], [3, 1]]], jnp.int32)  # 3 = P: dropped
+    lb = lb.write(page, x(), x())
+    k_all, v_all = (np.asarray(a) for a in lb.dequantize(jnp.float32))
+    got_k, got_v = lb.read(jnp.minimum(page, 2), jnp.float32)
+    for b, h, j in zip(*np.nonzero(np.asarray(page) < 3), strict=True):
+        p = int(page[b, h, j])
+        np.testing.assert_array_equal(np.asarray(got_k)[b, h, j], k_all[b, h, p])
+        np.testing.assert_array_equal(np.asarray(got_v)[b, h, j], v_all[b, h, p])
+    untouched = [(0, 0, 0), (0, 0, 1), (0, 1, 1), (1, 0, 2), (1, 1, 0), (1, 1, 2)]
+    for b, h, p in untouched:
+        assert not np.any(k_all[b, h, p]) and not np.any(v_all[b, h, p])
