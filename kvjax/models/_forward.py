@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax._numerics import einsum_f32
+from kvjax._numerics import project, separate
 from kvjax.attention import AttnStats, Implementation, KeyShift, attend
 from kvjax.cache import Cache, StackedLayer, is_stacked, num_layers, stack_trees
 from kvjax.models._config import Arch, ModelConfig
@@ -115,16 +115,16 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, vali
     or None."""
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     rope = (config.rope_theta, config.rope_scaling)
-    h = rms_norm(x, lp.attn_norm, config.norm_eps)
-    q = apply_rope(_split_heads(dense(h, lp.wq, lp.bq), hq, d), positions, *rope)
-    k = apply_rope(_split_heads(dense(h, lp.wk, lp.bk), hkv, d), positions, *rope)
-    v = _split_heads(dense(h, lp.wv, lp.bv), hkv, d)
+    hq_, hk_, hv_ = separate(rms_norm(x, lp.attn_norm, config.norm_eps), 3)
+    q = apply_rope(_split_heads(dense(hq_, lp.wq, lp.bq), hq, d), positions, *rope)
+    k = apply_rope(_split_heads(dense(hk_, lp.wk, lp.bk), hkv, d), positions, *rope)
+    v = _split_heads(dense(hv_, lp.wv, lp.bv), hkv, d)
     k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, key_shift=shift, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
-    h = rms_norm(x, lp.mlp_norm, config.norm_eps)
-    gate = dense(h, lp.w_gate).astype(jnp.float32)
-    up = dense(h, lp.w_up).astype(jnp.float32)
+    hg, hu = separate(rms_norm(x, lp.mlp_norm, config.norm_eps), 2)
+    gate = dense(hg, lp.w_gate).astype(jnp.float32)
+    up = dense(hu, lp.w_up).astype(jnp.float32)
     x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
     return x, (q, k, v, st)
 
@@ -178,8 +178,8 @@ def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache,
     args = (positions, valid, attn)
     x, (qs, ks, vs, stats) = _layers(config, _llama_layer, p.layers, cache, shifts, x, args)
     x = rms_norm(x, p.final_norm, config.norm_eps)
-    head = p.embed.T if p.lm_head is None else p.lm_head
-    logits = einsum_f32("bte,ev->btv", x, head)
+    tied = p.lm_head is None  # tied: the embedding [V, E] read as stored
+    logits = project(x, p.embed, w_transposed=True) if tied else project(x, p.lm_head)
     return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs
 
 
@@ -188,5 +188,5 @@ def _gpt2(config: ModelConfig, p: GPT2Params, tokens, positions, valid, cache, s
     args = (positions, valid, attn)
     x, (qs, ks, vs, stats) = _layers(config, _gpt2_layer, p.layers, cache, shifts, x, args)
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, config.norm_eps)
-    logits = einsum_f32("bte,ve->btv", x, p.wte)
+    logits = project(x, p.wte, w_transposed=True)
     return ForwardOutput(logits=logits, k_new=ks, v_new=vs, stats=stats), qs

@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax._numerics import einsum_f32
+from kvjax._numerics import project
 from kvjax.models._config import RopeScaling
 
 Array = jax.Array
@@ -91,7 +91,7 @@ def gelu_tanh(x: Array) -> Array:
 
 def dense(x: Array, w: Array, b: Array | None = None) -> Array:
     """x: [..., In] @ w: [In, Out] (+ b: [Out]) with float32 accumulation."""
-    y = einsum_f32("...i,io->...o", x, w)
+    y = project(x, w)
     if b is not None:
         y = y + _expand(b, y)
     return y.astype(x.dtype)
