@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +60,6 @@ def separate(x: Array, n: int) -> tuple[Array, ...]:
     in place. Only on GPU and for few rows (decode), where a merged dot gains nothing: its
     weights are read once either way.
     """
-    rows = x.size // max(x.shape[-1], 1) if x.ndim else 1
-    if not _gpu() or rows > FEW_ROWS or n < 2:
+    if not _gpu() or math.prod(x.shape[:-1]) > FEW_ROWS or n < 2:
         return (x,) * n
     return tuple(jax.lax.optimization_barrier((x,) * n))
