@@ -32,14 +32,49 @@ class Confidence:
         )
 
 
+MAX_CHUNK = 2048  # widest vocabulary chunk a row's reductions run over
+
+
+def chunk_width(vocab: int) -> int:
+    """The widest divisor of `vocab` up to MAX_CHUNK (1 for a prime above it: one reduction
+    over the row, as without chunks). The logits are reduced as [B, V/w, w] rows, then over
+    the chunks: one reduction over a whole vocabulary row gives a GPU few, long rows (eight at
+    batch 8) and the CPU a sort for the top two. No padding, so a vocabulary-sharded row stays
+    a reshape."""
+    for w in range(min(vocab, MAX_CHUNK), 0, -1):
+        if vocab % w == 0:
+            return w
+    raise ValueError(f"vocabulary size must be >= 1, got {vocab}")
+
+
+def _reduce(fn, x: Array) -> Array:
+    """fn over the chunk's entries, then over the chunks: [B, C, w] -> [B]."""
+    return fn(fn(x, axis=-1), axis=-1)
+
+
 def confidence(logits: Array) -> Confidence:
-    """Confidence statistics of logits [B, V] (any float dtype; computed in float32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    """Confidence statistics of logits [B, V] (any float dtype; computed in float32).
+
+    The same quantities as `log_softmax` then `top_k(logp, 2)`: the top-2 log-probabilities
+    are the row's max and the next value (the max again where it occurs twice), so no sort
+    runs; every reduction goes over vocabulary chunks first (`chunk_width`)."""
+    if logits.ndim != 2:
+        raise ValueError(f"confidence: logits must be [B, V], got shape {logits.shape}")
+    b, v = logits.shape
+    if v < 2:
+        raise ValueError(f"confidence: needs at least 2 logits a row (top-2 margin), got {v}")
+    x = logits.astype(jnp.float32).reshape(b, v // chunk_width(v), chunk_width(v))
+    top = _reduce(jnp.max, x)  # [B]
+    lse = top + jnp.log(_reduce(jnp.sum, jnp.exp(x - top[:, None, None])))
+    logp = x - lse[:, None, None]
     p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    top2 = jax.lax.top_k(logp, 2)[0]
+    entropy = -_reduce(jnp.sum, jnp.where(p > 0, p * logp, 0.0))
+    at_top = x == top[:, None, None]
+    twice = _reduce(jnp.sum, at_top.astype(jnp.int32)) > 1
+    second = jnp.where(twice, top, _reduce(jnp.max, jnp.where(at_top, -jnp.inf, x)))
+    logp1, logp2 = top - lse, second - lse
     return Confidence(
-        entropy_norm=entropy / jnp.log(logits.shape[-1]),
-        margin=top2[:, 0] - top2[:, 1],
-        top1=jnp.exp(top2[:, 0]),
+        entropy_norm=entropy / jnp.log(v),
+        margin=logp1 - logp2,
+        top1=jnp.exp(logp1),
     )

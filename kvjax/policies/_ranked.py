@@ -195,9 +195,13 @@ class RankedPolicy(Policy):
 
     def _prio(self, toks: Tokens, cur: Array, li: int) -> Array:
         """Priority with sinks pinned to +inf and empty slots to -inf."""
-        p = self.priority(toks.score, toks.pos, cur, li)
-        p = jnp.where(toks.pos < self.sinks, _INF, p)
-        return jnp.where(toks.pos >= 0, p, -_INF)
+        return self._prio_of(toks.score, toks.pos, cur, li)
+
+    def _prio_of(self, score: Array, pos: Array, cur: Array, li: int) -> Array:
+        """`_prio` of a region's scores and positions [..., M]."""
+        p = self.priority(score, pos, cur, li)
+        p = jnp.where(pos < self.sinks, _INF, p)
+        return jnp.where(pos >= 0, p, -_INF)
 
     def _scored(self, layer, stats, cur, state, li):
         """The layer with every cached token's score updated by this call's mass."""
@@ -250,17 +254,24 @@ class RankedPolicy(Policy):
         """`_shrink` over a stacked cache (budgets [L, B, 1], lis [L]): the layers and their
         ranked regions' `slot_stats` (each [L, B, H]) after any eviction, under one cond."""
         ranked = jax.vmap(self._ranked)(layers)
-        prios = jax.vmap(lambda r, li: self._prio(r, cur3, li))(ranked, lis)  # [L, B, H, M]
+        # The priorities [L, B, H, M] are computed where they are used, from the scores: the
+        # statistics' reduction reads the scores it writes, and the eviction branch computes
+        # them again, so no priority array of the whole stack is stored every step (captured
+        # by the cond it was: 103 MB written a step for confkv at Llama-3-8B shapes, 32K).
+        prio_of = jax.vmap(lambda score, pos, li: self._prio_of(score, pos, cur3, li))
         sizes = [ranked.pos.shape[-1]] * len(lis)
-        stats = lambda pos: _stacked_slot_stats(pos, [], sizes, padded_prio=prios)
-        now = stats(ranked.pos)
+        stats = lambda pos, prios: _stacked_slot_stats(pos, [], sizes, padded_prio=prios)
+        now = stats(ranked.pos, prio_of(ranked.score, ranked.pos, lis))
         over = jnp.any(now[0][:, 0] > budgets, axis=(1, 2))  # [L]: some head is over budget
 
-        def evict(pos):
+        def evict(ops):
+            pos, score = ops
+            prios = prio_of(score, pos, lis)
             out = jnp.where(over[:, None, None, None] & ~_keep_top(prios, pos, budgets), -1, pos)
-            return out, stats(out)
+            return out, stats(out, prios)
 
-        pos, (ints, lows) = jax.lax.cond(jnp.any(over), evict, lambda p: (p, now), ranked.pos)
+        ops = (ranked.pos, ranked.score)
+        pos, (ints, lows) = jax.lax.cond(jnp.any(over), evict, lambda o: (o[0], now), ops)
 
         def put_pos(ly, pos):
             if self.int8:
