@@ -79,6 +79,10 @@ _ROW_KNOBS = {
     "asm_unpack": (_lowbit_row, "low-bit"),
     "tokens_m": (_lowbit_row, "low-bit"),
     "stages": (_mgpu_row, "Mosaic GPU"),
+    "pages_per_step": (
+        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
+        "Mosaic GPU low-bit",
+    ),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)

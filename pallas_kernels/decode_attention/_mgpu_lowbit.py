@@ -107,11 +107,11 @@ def _kernel(
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, P, 64, N] f32 (return_logits; pages >= extent never written),
-    # then the scratch: q_smem [N, D] bf16; k_smem [stages, 64, D·bits/8] uint8; v_smem
-    # [stages, D, 64·bits/8] uint8; ks_smem [stages, 2, D] bf16; vs_smem [stages, 2, NG, 64]
-    # bf16; pos_smem [stages, 64] int32; p_smem [NG, N, 64] bf16 (P^T times each value group's
-    # scales, K-major for the dot); lse_smem [N] f32; interpreted, the A-operand tiles in
-    # shared memory; then the barriers
+    # then the scratch, pp = pages_per_step: q_smem [N, D] bf16; k_smem [stages, pp, 64,
+    # D·bits/8] uint8; v_smem [stages, pp, D, 64·bits/8] uint8; ks_smem [stages, pp, 2, D]
+    # bf16; vs_smem [stages, pp, 2, NG, 64] bf16; pos_smem [stages, pp, 64] int32; p_smem
+    # [NG, pp, N, 64] bf16 (P^T times each value group's scales, K-major for the dot);
+    # lse_smem [N] f32; interpreted, the A-operand tiles in shared memory; then the barriers
     bits: int,
     scale: float,
     stages: int,
@@ -120,6 +120,7 @@ def _kernel(
     native: bool = False,
     int4_load: str = "upcast2x",
     return_logits: bool = False,
+    pages_per_step: int = 1,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -145,18 +146,25 @@ def _kernel(
     grp = [(r * 64) // (d // ng) for r in range(halves)]  # value group of each 64-channel half
     extent = jnp.minimum(extent_ref[b, h], pages_cap)
     qpos = qpos_ref[b]
-    per = lax.div(extent + num_splits - 1, num_splits)
-    first = split * per
-    last = jnp.minimum(first + per, extent)
+    pp = pages_per_step  # pages a loop step reads (one TMA copy of each array for all of them)
+    steps = lax.div(extent + pp - 1, pp)
+    per = lax.div(steps + num_splits - 1, num_splits)
+    first = split * per  # in steps of pp pages
+    last = jnp.minimum(first + per, steps)
     col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
 
+    def start(i):
+        """The first page step i copies: i·pp, moved back to stay inside the P pages when P is
+        not a multiple of pp (its pages before i·pp are then the last step's, not attended)."""
+        return jnp.minimum(i * pp, pages_cap - pp)
+
     def issue(i, slot, when):
         @pl.when(when)
         def _():
-            at = (lay, b, h, i)
+            at = (lay, b, h, pl.ds(start(i), pp))
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
             plgpu.copy_gmem_to_smem(ks_ref.at[at], ks_smem.at[slot], ks_bar.at[slot])
@@ -181,62 +189,83 @@ def _kernel(
         slot = lax.rem(i - first, stages)
         for bar in (pos_bar, ks_bar, k_bar):
             plgpu.barrier_wait(bar.at[slot])
-        pos = plgpu.load(pos_smem.at[slot], layout=row, optimized=True)
 
-        def qk(s_ref):
-            # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 ref)
-            kc = k_smem.at[slot] if native else k_smem[slot]
-            keys = []
-            for c in range(n):  # slice c: channels c·w ... (c+1)·w
-                # Statistics loaded at their use: a whole page's at once would hold registers
-                # that cap the CTAs per multiprocessor.
-                st = [
-                    plgpu.load(ks_smem.at[slot, j, pl.ds(c * w, w)], layout=col, optimized=True)
-                    for j in range(2)
-                ]  # fmt: skip
-                code = _native(kc, int4_load, bits, c) if native else _slice(kc, c, bits)
-                kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
-                keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
-            keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
-            plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
-            return s_ref[...]
+        def qk(*s_refs):
+            for j, s_ref in enumerate(s_refs):  # page j of the step
+                # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 ref)
+                kc = k_smem.at[slot, j] if native else k_smem[slot, j]
+                keys = []
+                for c in range(n):  # slice c: channels c·w ... (c+1)·w
+                    # Statistics loaded at their use: a whole page's at once would hold
+                    # registers that cap the CTAs per multiprocessor.
+                    st = [
+                        plgpu.load(
+                            ks_smem.at[slot, j, t, pl.ds(c * w, w)], layout=col, optimized=True
+                        )
+                        for t in range(2)
+                    ]
+                    code = _native(kc, int4_load, bits, c) if native else _slice(kc, c, bits)
+                    kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
+                    keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
+                keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
+                plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
+            return tuple(s_ref[...] for s_ref in s_refs)
 
-        s = pl.run_scoped(qk, plgpu.ACC((PAGE, cols), jnp.float32)) * scale
-        seen = (pos >= 0) & (pos <= qpos)
-        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
-        if logits_ref is not None:  # the page's scaled logits, [64 tokens, N]
-            logits_ref[b, h, i] = s
-        m_new = jnp.maximum(m, s.max(axis=0))
-        corr = lax.broadcast_in_dim(jnp.exp(m - m_new), s.shape, [1])
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+        accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp)]
+        ss = []
+        for j, s in enumerate(pl.run_scoped(qk, *accs)):
+            pos = plgpu.load(pos_smem.at[slot, j], layout=row, optimized=True)
+            page = start(i) + j
+            own = page >= i * pp  # not the step before's (a moved-back last step)
+            # A step's pages past the extent (an odd extent) are not attended either.
+            seen = (pos >= 0) & (pos <= qpos) & own & (page < extent)
+            s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s * scale, -jnp.inf)
+            if logits_ref is not None:  # the page's scaled logits, [64 tokens, N]
+
+                @pl.when(own)
+                def _(s=s, page=page):
+                    logits_ref[b, h, page] = s
+
+            ss.append(s)
+        top = functools.reduce(jnp.maximum, ss)  # the step's one cross-warp reduction
+        m_new = jnp.maximum(m, top.max(axis=0))
+        corr = lax.broadcast_in_dim(jnp.exp(m - m_new), top.shape, [1])
+        ps = [jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1])) for s in ss]
         # The denominator and the value zeros' share stay [64, N] tiles, their rows summed
-        # once after the loop: the max is the page's one cross-warp reduction.
-        l = l * corr + p
+        # once after the loop.
+        l = functools.reduce(jnp.add, ps, l * corr)
         plgpu.barrier_wait(vs_bar.at[slot])
         new_zt = []
         for g in range(ng):
-            vst = [plgpu.load(vs_smem.at[slot, j, g], layout=row, optimized=True) for j in range(2)]
-            vst = [lax.broadcast_in_dim(x.astype(jnp.float32), s.shape, [0]) for x in vst]
-            # A token's value scale multiplies its probability: value codes need no FMA.
-            p_smem.at[g].T[...] = (p * vst[0]).astype(jnp.bfloat16)
-            new_zt.append(zt[g] * corr + p * vst[1])
+            z = zt[g] * corr
+            for j, p in enumerate(ps):
+                vst = [
+                    plgpu.load(vs_smem.at[slot, j, t, g], layout=row, optimized=True)
+                    for t in range(2)
+                ]
+                vst = [lax.broadcast_in_dim(x.astype(jnp.float32), p.shape, [0]) for x in vst]
+                # A token's value scale multiplies its probability: value codes need no FMA.
+                p_smem.at[g, j].T[...] = (p * vst[0]).astype(jnp.bfloat16)
+                z = z + p * vst[1]
+            new_zt.append(z)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_bar.at[slot])
 
         def pv(*o_refs):
             for r, o_ref_ in enumerate(o_refs):
-                if native:  # [64 channels, 64 tokens] int4 (2 bits: half r is nibble slice r)
-                    rows = pl.ds(r * 64, 64) if bits == 4 else pl.ds(0, 64)
-                    codes = _native(v_smem.at[slot, rows], int4_load, bits, r)
-                else:
-                    vc = v_smem[slot, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8] uint8
-                    codes = [_slice(vc, c, bits) for c in range(n)]  # slice c: tokens c·64/n …
-                    codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]  # [64, 64]
-                plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r]].T)
+                for j in range(pp):
+                    if native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
+                        rows = pl.ds(r * 64, 64) if bits == 4 else pl.ds(0, 64)
+                        codes = _native(v_smem.at[slot, j, rows], int4_load, bits, r)
+                    else:
+                        vc = v_smem[slot, j, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8]
+                        codes = [_slice(vc, c, bits) for c in range(n)]  # tokens c·64/n …
+                        codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]
+                    plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r], j].T)
             return tuple(o[...] for o in o_refs)
 
         parts = pl.run_scoped(pv, *[plgpu.ACC((64, cols), jnp.float32) for _ in range(halves)])
-        # The page is read (into registers, and by the dots): refill its slot.
+        # The pages are read (into registers, and by the dots): refill their slot.
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
         new = tuple(a * corr + part for a, part in zip(acc, parts, strict=True))
@@ -271,6 +300,7 @@ def _kernel(
         "stages",
         "int4_load",
         "return_logits",
+        "pages_per_step",
         "interpret",
     ),
 )
@@ -285,6 +315,7 @@ def decode_attention_lowbit_mgpu(
     stages: int | None = None,
     int4_load: str = "upcast2x",
     return_logits: bool = False,
+    pages_per_step: int | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -303,6 +334,10 @@ def decode_attention_lowbit_mgpu(
         int4_load: how int4 codes load into registers, one of INT4_LOADS (`_native`).
         return_logits: also return the scaled logits of every slot (for the policies that rank
             by attention mass): each page's [64, N] tile stored as the page is read.
+        pages_per_step: pages a loop step reads, 1 or 2 (one TMA copy of each array, one
+            barrier wait, one softmax reduction and one rescale for both; with an odd P the last
+            step copies the last two pages and attends only its own). Default: the device's
+            Tuning.mgpu_lowbit_pages (at most P).
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -338,8 +373,17 @@ def decode_attention_lowbit_mgpu(
     b, hkv, group, d = q.shape
     pages = view.k.shape[2]
     tune = tuning_for()
-    stages = max(1, min(stages or tune.mgpu_stages, pages))
-    splits = num_splits or _num_splits(b, hkv, pages, tune.mgpu_target_programs)
+    if pages_per_step is None:
+        pp = min(tune.mgpu_lowbit_pages, pages)
+    elif pages_per_step not in (1, 2):
+        raise ValueError(f"pages_per_step must be 1 or 2, got {pages_per_step!r}")
+    elif pages < pages_per_step:
+        raise ValueError(f"pages_per_step={pages_per_step} needs as many pages, got {pages}")
+    else:
+        pp = pages_per_step
+    steps = -(-pages // pp)
+    stages = max(1, min(stages or tune.mgpu_stages, steps))
+    splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_target_programs)
     cols = 8 if group <= 8 else COLS
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
     f32 = jnp.float32
@@ -353,22 +397,22 @@ def decode_attention_lowbit_mgpu(
     native = view.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
         codes = [
-            smem_tile((stages, PAGE, d * bits // 4), jnp.int4),
-            smem_tile((stages, d * bits // 4, PAGE), jnp.int4),
+            smem_tile((stages, pp, PAGE, d * bits // 4), jnp.int4),
+            smem_tile((stages, pp, d * bits // 4, PAGE), jnp.int4),
         ]
     else:
         kbytes, vbytes = view.k.shape[-1], view.v.shape[-1]
         codes = [
-            plgpu.SMEM((stages, PAGE, kbytes), jnp.uint8),
-            plgpu.SMEM((stages, d, vbytes), jnp.uint8),
+            plgpu.SMEM((stages, pp, PAGE, kbytes), jnp.uint8),
+            plgpu.SMEM((stages, pp, d, vbytes), jnp.uint8),
         ]
     scratch = [
         smem_tile((cols, d), jnp.bfloat16),
         *codes,
-        plgpu.SMEM((stages, 2, d), jnp.bfloat16),
-        plgpu.SMEM((stages, 2, ng, PAGE), jnp.bfloat16),
-        plgpu.SMEM((stages, PAGE), jnp.int32),
-        smem_tile((ng, cols, PAGE), jnp.bfloat16),
+        plgpu.SMEM((stages, pp, 2, d), jnp.bfloat16),
+        plgpu.SMEM((stages, pp, 2, ng, PAGE), jnp.bfloat16),
+        plgpu.SMEM((stages, pp, PAGE), jnp.int32),
+        smem_tile((ng, pp, cols, PAGE), jnp.bfloat16),
         plgpu.SMEM((cols,), f32),
     ]
     if interpret:
@@ -384,6 +428,7 @@ def decode_attention_lowbit_mgpu(
         native=native,
         int4_load=int4_load,
         return_logits=return_logits,
+        pages_per_step=pp,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret

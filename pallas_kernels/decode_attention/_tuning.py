@@ -40,6 +40,8 @@ class Tuning:
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
         mgpu_block_k: slots per pipeline step of the Mosaic GPU kernels (a multiple of 64).
         mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
+        mgpu_lowbit_pages: 64-token pages a loop step of the Mosaic GPU low-bit kernel reads
+            (1 or 2; 2 where the tier's page count is even).
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
@@ -63,6 +65,7 @@ class Tuning:
     target_programs: int = 512
     mgpu_block_k: int = 64
     mgpu_stages: int = 2
+    mgpu_lowbit_pages: int = 1
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
     lowbit_cache_layout: str = "token"

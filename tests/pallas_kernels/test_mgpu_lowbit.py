@@ -84,6 +84,16 @@ class TestMgpuLowbit:
             pytest.skip("register layouts are a compiled kernel's; the interpreter has none")
         self._check(case, True, 3, int4_load=load)
 
+    @pytest.mark.parametrize(
+        "case, native", [(CASES[0], True), (CASES[1], False), (CASES[3], False)],
+        ids=["int4codes-g4", "int2-g4", "int2-g3-d64"],
+    )  # fmt: skip
+    def test_two_pages_a_step_match_float64(self, case, native):
+        """pages_per_step=2: a step's two pages under one softmax update; 3 pages (200 slots),
+        so the last step copies pages 1-2 and attends page 2 only, and an odd extent leaves a
+        step's second page unread (one head stops pages early)."""
+        self._check(case, native, 3, pages_per_step=2, return_logits=True)
+
     def _check(self, case, native, splits, **kw):
         seed = _seed(case, splits, self.INTERPRET, native)
         q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
@@ -194,6 +204,14 @@ def test_unsupported_input_gets_one_clear_error():
         run(q, tier, q_pos, bits=2)
     with pytest.raises(ValueError, match="must be 2 or 4"):
         run(q, tier, q_pos, bits=8)
+    with pytest.raises(ValueError, match="pages_per_step must be 1 or 2"):
+        run(q, tier, q_pos, bits=4, pages_per_step=3)
+    first = lambda a: a[:, :, :1]  # the tier's first page only
+    t1 = tier._replace(k=first(tier.k), v=first(tier.v), k_stats=first(tier.k_stats),
+                       v_stats=first(tier.v_stats), pos=first(tier.pos),
+                       extent=jnp.minimum(tier.extent, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="needs as many pages, got 1"):
+        run(q, t1, q_pos, bits=4, pages_per_step=2)
     with pytest.raises(ValueError, match=r"v_stats has dtype float32"):
         run(q, tier._replace(v_stats=tier.v_stats.astype(jnp.float32)), q_pos, bits=4)
     q2, qp2, t2, _ = _tiers(case, 2, value_group=32)
