@@ -78,7 +78,8 @@ def attend_pallas(
         stacked: None, or the StackedLayer that `layer` was sliced from (a layer scan): on
             the GPU (and in the interpreter) the full and INT8 tiers' kernels then read the
             stack in place (`layer=`), so no slice of theirs is copied; the low-bit tier, a
-            pooled layer and the TPU kernels read the slice.
+            pooled layer and the TPU kernels read the slice. Its `extents`, when given, are
+            the tiers' extents (computed for every layer before the scan).
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -92,19 +93,20 @@ def attend_pallas(
     backend = default_backend()
     if layer.head is not None or backend == "tpu":  # their kernels take a layer, not a stack
         stacked = None
+    ext = stacked.extents if stacked is not None else None  # precomputed for every layer
     if layer.head is not None:  # one pool read once for every head (`_triton_pooled.py`)
         full = PooledTier(layer.k, layer.v, layer.pos, layer.head, _extent(layer.pos >= 0))
     else:
         src = stacked.stack if stacked is not None else layer  # the stack: read in place
-        full = FullTier(src.k, src.v, src.pos, layer.live_extent())
+        full = FullTier(src.k, src.v, src.pos, ext.full if ext is not None else layer.live_extent())
     int8 = lowbit = None
     if layer.int8 is not None:
         t8 = stacked.stack.int8 if stacked is not None else layer.int8
-        extent8 = _extent(layer.int8.pos >= 0)
+        extent8 = ext.int8 if ext is not None else _extent(layer.int8.pos >= 0)
         int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, extent8)
     if layer.lowbit is not None:
         lb = layer.lowbit
-        extent = _extent(jnp.any(lb.pos >= 0, axis=-1))
+        extent = ext.lowbit if ext is not None else _extent(jnp.any(lb.pos >= 0, axis=-1))
         if isinstance(lb, KernelLowBitTier):  # read as stored by the Mosaic GPU kernel
             if backend == "tpu":
                 raise ValueError(

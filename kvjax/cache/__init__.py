@@ -12,12 +12,14 @@ from kvjax.cache._bytes import (
 )
 from kvjax.cache._ops import write_slots
 from kvjax.cache._stack import (
+    Extents,
     StackedLayer,
     is_stacked,
     layer_at,
     num_layers,
     stack_cache,
     stack_trees,
+    tier_extents,
     unstack_cache,
 )
 from kvjax.cache._state import (
@@ -41,6 +43,7 @@ __all__ = [
     "KernelLowBitTier",
     "LayerCache",
     "LowBitTier",
+    "Extents",
     "StackedLayer",
     "attended_slots_per_layer",
     "init_cache",
@@ -56,6 +59,7 @@ __all__ = [
     "slots_to_bytes",
     "stack_cache",
     "stack_trees",
+    "tier_extents",
     "unstack_cache",
     "write_slots",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from kvjax.cache._state import Cache, LayerCache
 
@@ -75,6 +76,33 @@ def layer_at(stacked: Any, i: Array) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
 
 
+class Extents(NamedTuple):
+    """One past the last occupied slot (page, for the low-bit tier) of each tier: [B, Hkv]
+    int32 for one layer, [L, B, Hkv] for a stack; None where the layer has no such tier."""
+
+    full: Array
+    int8: Array | None
+    lowbit: Array | None
+
+
+def _last_plus_one(occupied: Array) -> Array:
+    """[..., N] bool -> [...] int32 one past the last True (0 if none)."""
+    idx = jnp.arange(1, occupied.shape[-1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(occupied, idx, 0), axis=-1)
+
+
+def tier_extents(layer: LayerCache) -> Extents:
+    """The extents of a layer's tiers (or, over a stacked LayerCache, of every layer's: one
+    reduction per tier for the whole stack instead of one per layer in the scan)."""
+    int8 = layer.int8
+    lowbit = layer.lowbit
+    return Extents(
+        full=_last_plus_one(layer.pos >= 0),
+        int8=None if int8 is None else _last_plus_one(int8.pos >= 0),
+        lowbit=None if lowbit is None else _last_plus_one(jnp.any(lowbit.pos >= 0, axis=-1)),
+    )
+
+
 class StackedLayer(NamedTuple):
     """Layer `index` of a stacked LayerCache, not sliced out: what a layer scan hands attention,
     so that kernels which take the stack (the dense Triton decode kernels, `layer=`) read the
@@ -84,10 +112,14 @@ class StackedLayer(NamedTuple):
     Attributes:
         stack: the stacked LayerCache (leading [L] axis on every array).
         index: int32 scalar, the layer.
+        extents: None, or the layer's `Extents` ([B, Hkv] each), computed for every layer
+            before the scan (`tier_extents` of the stack), so the step reduces each tier's
+            positions once for all layers rather than once per layer.
     """
 
     stack: LayerCache
     index: Array
+    extents: Extents | None = None
 
     def get(self) -> LayerCache:
         """The layer sliced out of the stack."""

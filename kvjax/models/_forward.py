@@ -16,7 +16,14 @@ from flax import struct
 
 from kvjax._numerics import project, separate
 from kvjax.attention import AttnStats, Implementation, KeyShift, attend
-from kvjax.cache import Cache, StackedLayer, is_stacked, num_layers, stack_trees
+from kvjax.cache import (
+    Cache,
+    StackedLayer,
+    is_stacked,
+    num_layers,
+    stack_trees,
+    tier_extents,
+)
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
 from kvjax.models._params import GPT2Params, LlamaParams, Params
@@ -169,8 +176,12 @@ def _layers(config: ModelConfig, block, param_layers, cache: Cache, shifts, x, a
     if isinstance(param_layers, tuple):  # per-layer params: stacked here, i.e. once per call
         param_layers = stack_trees(param_layers, "the model's layer parameters")
     n = num_layers(cache)
-    body = lambda x, xs: run(x, xs[0], StackedLayer(cache.layers, xs[1]), xs[2])
-    return jax.lax.scan(body, x, (param_layers, jnp.arange(n, dtype=jnp.int32), shifts))
+    # Every layer's tier extents in one reduction per tier, before the scan (XLA does not hoist
+    # the per-layer ones: a kernel per tier and layer each step).
+    extents = tier_extents(cache.layers)
+    body = lambda x, xs: run(x, xs[0], StackedLayer(cache.layers, xs[1], xs[3]), xs[2])
+    layer_ids = jnp.arange(n, dtype=jnp.int32)
+    return jax.lax.scan(body, x, (param_layers, layer_ids, shifts, extents))
 
 
 def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, shifts, attn):
