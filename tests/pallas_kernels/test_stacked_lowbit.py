@@ -1,7 +1,8 @@
 """The token-major low-bit Triton kernel reading one layer of a stacked cache in place (`layer=`),
 in each of its kernel bodies: equal to the same kernel on that layer sliced out and to the
-float64 oracle, with the layer a traced index (a layer scan's loop counter); it lowers for the
-H200; bad stacks, and a stack whose codes the kernel cannot index whole, get one clear error."""
+float64 oracle, with the layer a traced index (a layer scan's loop counter); `decode_attention`
+hands it the stack; it lowers for the H200; bad stacks get one clear error, and a stack whose
+codes the kernel cannot index whole is read as the layer's slice."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 from decode_cases import Case, make_tiers, oracle, stack_layers
 
-from kvjax.eval._kernel_ir import abstract_tiers, export_cuda
+from kvjax.eval._kernel_ir import abstract_tiers, export_cuda, pallas_calls
 from kvjax.pallas_kernels.decode_attention import (
     LowBitTier,
     combine,
+    decode_attention,
     decode_attention_lowbit_triton,
 )
 
@@ -81,6 +83,33 @@ def test_stacked_lowbit_layer_equals_the_sliced_layer_and_float64(kernel, bits, 
     assert not np.allclose(np.asarray(other.out), np.asarray(got.out))
 
 
+def test_decode_attention_reads_a_stacked_lowbit_tier_in_place():
+    """`decode_attention(..., layer=)` with the full and low-bit tiers both stacked equals it on
+    the layer's own tiers, and hands the low-bit kernel the stack (no slice of it)."""
+    case = Case("float32", "fp+int2", ratio=2, head_dim=32)
+    made = [make_tiers(case, 20 + seed) for seed in range(L)]
+    q, q_pos, full1, _, low1 = made[1]
+    fulls = [m[2]._replace(extent=full1.extent) for m in made]
+    lows = [m[4]._replace(extent=low1.extent) for m in made]
+    kw = dict(bits=2, scale=0.3, return_logits=True, interpret=True, block_k=16, num_splits=2)
+    stacked = lambda i: decode_attention(
+        q, q_pos, full=stack_layers(fulls), lowbit=stack_layers(lows), layer=i, **kw
+    )
+    got = jax.jit(stacked)(jnp.int32(1))
+    want = decode_attention(q, q_pos, full=full1, lowbit=low1, **kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    [codes] = [
+        e for e in pallas_calls(jax.make_jaxpr(stacked)(jnp.int32(1)).jaxpr) if _is_lowbit(e)
+    ]
+    assert codes.invars[3].aval.shape[0] == L * q.shape[0]  # [L·B, Hkv, ...]: the stack
+
+
+def _is_lowbit(eqn) -> bool:
+    """A pallas_call of the token-major low-bit kernel: uint8 packed codes as its 4th operand."""
+    return len(eqn.invars) > 3 and eqn.invars[3].aval.dtype == jnp.uint8
+
+
 @pytest.mark.parametrize("kernel", ["dequant", "stacked", "tokens_m"])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_stacked_lowbit_kernels_lower_for_h200(bits, kernel):
@@ -118,14 +147,17 @@ def test_stacked_lowbit_bad_inputs_raise_clear_errors():
             decode_attention_lowbit_triton(q, stacked, q_pos, layer, **kw)
 
 
-def test_lowbit_stack_of_2_to_4_gib_of_codes_is_one_clear_error():
+def test_lowbit_stack_of_2_to_4_gib_of_codes_is_read_as_the_layer_slice():
     """The whole stack is indexed: a stack of 2^31 to 2^32 code bytes (32 layers × B 8 × 8 heads
     × 1024 pages × 32 tokens × 32 bytes; KIVI INT2's at 32K has 1,027 pages) would overflow the
-    kernel's 32-bit offsets, so the kernel refuses it by name (abstract shapes, no memory)."""
+    kernel's 32-bit offsets, so the kernel refuses it by name and `decode_attention` slices the
+    layer out for it instead (abstract shapes, no memory)."""
     sds = jax.ShapeDtypeStruct
-    _, _, lowbit = abstract_tiers(8, 8, 128, 64, 64, 1024, 32, 32, 2, jnp.bfloat16)
-    grow = lambda f, a: a if f == "extent" else sds((32, *a.shape), a.dtype)
-    stack = LowBitTier(**{f: grow(f, a) for f, a in lowbit._asdict().items()})
+    full, _, lowbit = abstract_tiers(8, 8, 128, 64, 64, 1024, 32, 32, 2, jnp.bfloat16)
+    grow = lambda t: type(t)(
+        **{f: a if f == "extent" else sds((32, *a.shape), a.dtype) for f, a in t._asdict().items()}
+    )
+    stack = grow(lowbit)
     assert stack.k.size == 2**31
     q, q_pos, layer = sds((8, 8, 4, 128), jnp.bfloat16), sds((8,), jnp.int32), sds((), jnp.int32)
     fn = functools.partial(decode_attention_lowbit_triton, bits=2, scale=0.1)
@@ -133,3 +165,9 @@ def test_lowbit_stack_of_2_to_4_gib_of_codes_is_one_clear_error():
         ValueError, match=r"LowBitTier.k: 2147483648 bytes of codes in the layer stack"
     ):
         jax.eval_shape(fn, q, stack, q_pos, layer)
+    api = lambda q, q_pos, f, lb, i: decode_attention(
+        q, q_pos, full=f, lowbit=lb, bits=2, scale=0.1, layer=i
+    )
+    jaxpr = jax.make_jaxpr(api)(q, q_pos, grow(full), stack, layer).jaxpr
+    [codes] = [e for e in pallas_calls(jaxpr) if _is_lowbit(e)]
+    assert codes.invars[3].aval.shape[:2] == (8, 8)  # one layer's [B, Hkv, ...]: the slice
