@@ -2,7 +2,9 @@
 
 `export_cuda` lowers a function for CUDA under an abstract H200 (jax.export), which runs the
 Pallas → Triton lowering of every kernel in it; `triton_ir` also returns the Triton IR (TTIR)
-modules that lowering produced. `sass_loop_stats` reads a kernel's compiled SASS (from
+modules that lowering produced; `pallas_calls` finds a traced program's kernel calls and the
+operands each is handed (whether a kernel gets a whole layer stack or a slice of it, say).
+`sass_loop_stats` reads a kernel's compiled SASS (from
 `scripts/kernel_sass.py`, which compiles the TTIR with the `triton` package for sm_90) and
 counts the instructions of its main loop per token: on the H200 that count times tokens, heads
 and warps matched ncu's executed instructions within 6% for the INT4 and INT8 kernels
@@ -107,6 +109,23 @@ def triton_ir(fn: Callable, *args) -> list[dict]:
         dict(name=n, num_warps=int(w), num_stages=int(st), ttir=ir)
         for (n, st, w), ir in zip(calls, seen, strict=True)
     ]
+
+
+def pallas_calls(jaxpr) -> list:
+    """Every pallas_call equation of a jaxpr (`jax.make_jaxpr(f)(...).jaxpr`), those in nested
+    jaxprs (jit, scan, cond, while bodies) included, in program order; each equation's
+    `invars[i].aval` is the shape and dtype of its kernel's i-th operand."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += pallas_calls(inner)
+    return found
 
 
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)$")

@@ -76,10 +76,11 @@ def attend_pallas(
         seq_axis: inside `shard_map` with the slot axis split over this mesh axis: merge the
             devices' partial attentions (all-gather of [B, Hkv, G, D] partials, not of K/V).
         stacked: None, or the StackedLayer that `layer` was sliced from (a layer scan): on
-            the GPU (and in the interpreter) the full and INT8 tiers' kernels then read the
-            stack in place (`layer=`), so no slice of theirs is copied; the low-bit tier, a
-            pooled layer and the TPU kernels read the slice. Its `extents`, when given, are
-            the tiers' extents (computed for every layer before the scan).
+            the GPU (and in the interpreter) the full, INT8 and low-bit tiers' kernels then
+            read the stack in place (`layer=`, either low-bit layout), so no slice of theirs
+            is copied; a pooled layer and the TPU kernels read the slice. The tiers' extents
+            are its `extents` (computed for every layer before the scan) when given, else the
+            layer's; the positions the masses are computed from are the layer's own slices.
 
     Returns:
         out [B, 1, Hq, D] in q's dtype, and AttnStats (as attend_xla's).
@@ -107,6 +108,8 @@ def attend_pallas(
     if layer.lowbit is not None:
         lb = layer.lowbit
         extent = ext.lowbit if ext is not None else _extent(jnp.any(lb.pos >= 0, axis=-1))
+        # A stacked cache's pages are read at the layer in place (no slice of the stack).
+        src = stacked.stack.lowbit if stacked is not None else lb
         if isinstance(lb, KernelLowBitTier):  # read as stored by the Mosaic GPU kernel
             if backend == "tpu":
                 raise ValueError(
@@ -114,12 +117,10 @@ def attend_pallas(
                     "the Mosaic GPU kernel (Hopper GPUs) or by XLA attention; on a TPU use "
                     "lowbit_layout='token' or implementation='xla'"
                 )
-            # A stacked cache's pages are read at the layer in place (no slice of the stack).
-            src = stacked.stack.lowbit if stacked is not None else lb
             lowbit = ChannelMajorLowBitTier(src.k, src.v, src.k_stats, src.v_stats, src.pos, extent)
         else:
             lowbit = LowBitTier(
-                lb.k, lb.v, lb.k_scale, lb.k_zero, lb.v_scale, lb.v_zero, lb.pos, extent
+                src.k, src.v, src.k_scale, src.k_zero, src.v_scale, src.v_zero, src.pos, extent
             )
     res = decode_attention(
         qg,

@@ -105,9 +105,9 @@ def tier_extents(layer: LayerCache) -> Extents:
 
 class StackedLayer(NamedTuple):
     """Layer `index` of a stacked LayerCache, not sliced out: what a layer scan hands attention,
-    so that kernels which take the stack (the dense Triton decode kernels, `layer=`) read the
-    layer in place; everything else reads `get()`, a slice (which XLA fuses into its readers,
-    but must copy for a kernel's operand).
+    so that kernels which take the stack (the GPU decode kernels of every tier but a pooled
+    one, `layer=`) read the layer in place; everything else reads `get()`, a slice (which XLA
+    fuses into its readers, but must copy for a kernel's operand).
 
     Attributes:
         stack: the stacked LayerCache (leading [L] axis on every array).

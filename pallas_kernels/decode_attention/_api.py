@@ -73,9 +73,12 @@ def decode_attention(
         num_splits: splits per (sequence, KV head) (default: fill the chip).
         layer: None, or an int32 scalar: the full and INT8 tiers' slot arrays are then stacks
             [L, B, Hkv, ...] read at this layer in place (`decode_attention_triton`'s `layer`;
-            GPU backends only, dense tiers run by the Triton kernels); a ChannelMajorLowBitTier
-            whose arrays carry the same leading [L] axis is read at it in place too (its
-            extent is the layer's); a token-major LowBitTier is per layer.
+            GPU backends only, dense tiers run by the Triton kernels); a low-bit tier whose
+            arrays carry the same leading [L] axis (a token-major LowBitTier's k
+            [L, B, Hkv, P, Tp, Dp], a ChannelMajorLowBitTier's) is read at it in place too, its
+            extent the layer's; a per-layer low-bit tier is read as given. A token-major stack
+            of 2-4 GiB of codes, which the Triton kernel cannot index (`overflowing_codes`), is
+            read as the layer's slice (a copy of it).
 
     A ChannelMajorLowBitTier as `lowbit` (`to_channel_major`) runs the Mosaic GPU low-bit kernel
     (`decode_attention_lowbit_mgpu`, GPU backends only; its logits as the others').
@@ -115,6 +118,7 @@ def decode_attention(
         from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
             decode_attention_lowbit_triton as packed,
         )
+        from kvjax.pallas_kernels.decode_attention._triton_lowbit import overflowing_codes
     elif backend == "tpu":
         from kvjax.pallas_kernels.decode_attention._tpu import decode_attention_tpu as dense
         from kvjax.pallas_kernels.decode_attention._tpu_lowbit import (
@@ -129,7 +133,7 @@ def decode_attention(
     if backend != "tpu":
         dense = functools.partial(_gpu_dense, dense, backend=backend)
     tiling = dict(block_k=block_k, num_splits=num_splits)
-    if layer is not None:  # a stacked dense tier (a token-major low-bit tier is per layer)
+    if layer is not None:  # a stacked dense tier
         tiling["layer"] = layer
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
@@ -155,10 +159,24 @@ def decode_attention(
     elif lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
         paged = dict(block_k=block_k) if backend != "tpu" else {}
+        if layer is not None and lowbit.k.ndim == 6:  # stacked (a GPU backend: checked above)
+            if overflowing_codes(lowbit):  # the kernel cannot index this stack whole
+                lowbit = _layer_of(lowbit, layer)
+            else:
+                paged["layer"] = layer  # read in place
         parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     out, lse = combine(parts)
     logits = tuple(p.logits for p in parts) if return_logits else ()
     return DecodeResult(out, lse, logits)
+
+
+def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:
+    """Layer `layer` sliced out of a stacked token-major tier (its extent is the layer's)."""
+    from kvjax.pallas_kernels.decode_attention._triton import layer_view
+
+    layer_view(tier, layer)  # the stack's own checks, with their messages
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+    return tier._replace(**{f: take(a) for f, a in tier._asdict().items() if f != "extent"})
 
 
 def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, **kw):

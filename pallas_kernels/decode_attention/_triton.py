@@ -108,6 +108,16 @@ class _Lead:
         return self.ref.at[(*self.lead, *ix)]
 
 
+def merge_layers(x: Array) -> Array:
+    """A stack [L, B, Hkv, ...] as [L·B, Hkv, ...] (a free reshape), for `stacked_rows`."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def whole_spec(x: Array) -> pl.BlockSpec:
+    """The whole array as every program's block (a stack that `stacked_rows` views index)."""
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
 def stacked_rows(layer_ref, batch: int, *refs):
     """Views of stacked [L·B, Hkv, ...] refs at this program's (layer·B + sequence, KV head)."""
     lead = (layer_ref[()] * batch + pl.program_id(0), pl.program_id(1))
@@ -407,8 +417,8 @@ def decode_attention_triton(
         specs += [head_spec(cap), head_spec(cap)]
     if layer is not None:  # [L, B, Hkv, ...] → [L·B, Hkv, ...] (free), read whole by the views
         for i in range(3, len(arrays)):
-            arrays[i] = arrays[i].reshape(-1, *arrays[i].shape[2:])
-            specs[i] = pl.BlockSpec(arrays[i].shape, lambda *_, n=arrays[i].ndim: (0,) * n)
+            arrays[i] = merge_layers(arrays[i])
+            specs[i] = whole_spec(arrays[i])
         arrays.append(jnp.asarray(layer, jnp.int32))
         specs.append(pl.BlockSpec((), lambda *_: ()))
     kernel = functools.partial(
@@ -446,18 +456,23 @@ def decode_attention_triton(
 
 
 def _check_tier(tier, layer, q) -> None:
-    """`check_dense` of the tier against q; with `layer`, of one layer of the stack (the slot
-    arrays' leading [L] axis checked, then left out)."""
-    if layer is None:
-        check_dense(tier, q)
-        return
+    """`check_dense` of the tier against q; with `layer`, of one layer of the stack."""
+    check_dense(tier if layer is None else layer_view(tier, layer), q)
+
+
+def layer_view(tier, layer):
+    """One layer of a stacked tier (`layer=`), for the per-layer checks: `layer` must be an
+    integer scalar and every slot array (all but extent, the layer's own) carry one leading [L]
+    axis of the same size; returns the tier with those arrays as one layer's ShapeDtypeStructs."""
     if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
         raise ValueError(f"decode attention: layer must be an integer scalar, got {layer!r}")
-    lead = {getattr(a, "shape", (None,))[0] for f, a in tier._asdict().items() if f != "extent"}
-    if len(lead) != 1 or any(getattr(a, "ndim", 0) < 2 for a in tier):
+    slots = {f: a for f, a in tier._asdict().items() if f != "extent"}
+    lead = {f: (tuple(getattr(a, "shape", ())) or (None,))[0] for f, a in slots.items()}
+    if len(set(lead.values())) != 1 or any(getattr(a, "ndim", 0) < 2 for a in slots.values()):
+        sizes = ", ".join(f"{f} {n}" for f, n in lead.items())
         raise ValueError(
-            "decode attention: with layer=, every slot array of the tier needs one leading "
-            f"[L] axis of the same size, got leading sizes {sorted(map(str, lead))}"
+            f"decode attention: with layer=, every slot array of the {type(tier).__name__} needs "
+            f"one leading [L] axis of the same size, got leading sizes {sizes}"
         )
-    view = lambda f, a: a if f == "extent" else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-    check_dense(type(tier)(**{f: view(f, a) for f, a in tier._asdict().items()}), q)
+    one = {f: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for f, a in slots.items()}
+    return tier._replace(**one)

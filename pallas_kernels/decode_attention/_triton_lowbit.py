@@ -11,6 +11,9 @@ once per block, not once per page.
 `stack_pages` (the H200/H100 default since it was timed, docs/benchmarks.md) runs
 `_kernel_stacked` instead, which puts a step's pages on the padding rows of the query tile and
 folds each page's key statistics into its q row.
+
+With `layer=` the tier's arrays are a layer stack (a layer scan's stacked cache) and whichever
+kernel runs reads the layer in place (`_in_place`), as the dense Triton kernels do.
 """
 
 from __future__ import annotations
@@ -31,10 +34,14 @@ from kvjax.pallas_kernels.decode_attention._triton import (
     finish,
     head_spec,
     launch,
+    layer_view,
+    merge_layers,
     pad_group,
     rows_int8,
     split_range,
+    stacked_rows,
     store_rows,
+    whole_spec,
 )
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
@@ -402,6 +409,15 @@ def _kernel_stacked(
     _run_and_store(g.first, g.last, step, parts, w, rp, o_ref, lse_ref, g.npg * group)
 
 
+def _in_place(*refs, body, batch: int):
+    """`body` (any of the three kernels) over a layer stack: its seven slot refs (k, v, the four
+    statistics, pos) are whole [L·B, Hkv, ...] stacks and the input ref after them holds the
+    layer; the body gets them as views at (layer·B + sequence, KV head), so it reads that layer
+    of the stack and nothing is sliced out of it."""
+    head, slots, (layer_ref, *outs) = refs[:3], refs[3:10], refs[10:]
+    body(*head, *stacked_rows(layer_ref, batch, *slots), *outs)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -423,6 +439,7 @@ def decode_attention_lowbit_triton(
     q: Array,
     tier: LowBitTier,
     q_pos: Array,
+    layer: Array | None = None,
     *,
     bits: int,
     scale: float,
@@ -472,25 +489,39 @@ def decode_attention_lowbit_triton(
             the compute dtype. Stacked kernel, 2/4-bit codes only; default from the device's
             Tuning (off until timed).
         interpret: run in the Pallas interpreter (CPU tests).
+        layer: None, or a traced int32 scalar: the tier's k, v, statistics and pos are then a
+            stack [L, B, Hkv, ...] of L layers (extent stays this layer's [B, Hkv]) and the
+            kernel reads layer `layer` in place, where slicing it out would copy it (a layer
+            scan over a stacked cache). Not checked against L: the caller's loop index. The
+            whole stack is indexed, so its codes must not be 2-4 GiB (`overflowing_codes`).
 
     Returns:
         Partials; logits are [B, Hkv, G, P·Tp].
     """
     check_query(q, q_pos)
-    check_lowbit(tier, q, bits)
+    if not isinstance(tier, LowBitTier):
+        check_lowbit(tier, q, bits)  # raises: names what was given
+    view = tier if layer is None else layer_view(tier, layer)
+    check_lowbit(view, q, bits)
     tune = tuning_for()
     b, hkv, group, d = q.shape
-    pages, tp, dp = tier.k.shape[2:]
+    pages, tp, dp = view.k.shape[2:]
     if tp & (tp - 1):
         raise ValueError(f"the Triton low-bit kernel needs a power-of-2 page size, got {tp}")
-    for name in ("k", "v"):  # `kvjax.pallas_kernels._words`: 32-bit offsets up to 2^32 bytes
-        n = getattr(tier, name).size
-        if BYTE_OFFSETS <= n <= 2 * BYTE_OFFSETS:
-            raise ValueError(
-                f"the Triton low-bit kernel cannot index LowBitTier.{name}: {n} bytes of codes "
-                "(2-4 GiB) overflow the 32-bit offsets Pallas' Triton lowering uses for arrays "
-                "up to 2^32 bytes; split the batch or the heads over calls"
-            )
+    name = overflowing_codes(tier)  # a stack: the whole stack's bytes are indexed
+    if name:
+        where, fix = "", "split the batch or the heads over calls"
+        if layer is not None:
+            where, fix = " in the layer stack", "read the layer's slice"
+        raise ValueError(
+            f"the Triton low-bit kernel cannot index LowBitTier.{name}: "
+            f"{getattr(tier, name).size} bytes of codes{where} (2-4 GiB) overflow the 32-bit "
+            f"offsets Pallas' Triton lowering uses for arrays up to 2^32 bytes; {fix}"
+        )
+    if layer is not None:  # [L, B, Hkv, ...] → [L·B, Hkv, ...] (free), read whole by the views
+        tier = tier._replace(
+            **{f: merge_layers(a) for f, a in tier._asdict().items() if f != "extent"}
+        )
     # The stacked kernel writes a padded logit row per page of a step and the slots' rows are
     # then gathered: with logits it ran 2.5x slower inside a decode step (2026-12-01 trace).
     # tokens_m writes its logits as the stacked kernel does: by default only without logits.
@@ -516,7 +547,8 @@ def decode_attention_lowbit_triton(
         raise ValueError(f"block_k must be a power of 2, got {block_k}")
     n_tok = pages * tp
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(n_tok, block_k), tune.target_programs)
-    flat = lambda x: x.reshape(b, hkv, n_tok, *x.shape[4:])  # [P, Tp, ...] → [P·Tp, ...], free
+    # [P, Tp, ...] → [P·Tp, ...], free (the leading axis is B, or L·B for a stack)
+    flat = lambda x: x.reshape(x.shape[0], hkv, n_tok, *x.shape[4:])
     npg = block_k // tp
     sub = d * bits // 8  # packed key bytes per token; value chunks as `chunks` cuts them
     widths = [sub, min(sub, d // tier.v_scale.shape[-1])]
@@ -536,17 +568,24 @@ def decode_attention_lowbit_triton(
         kernel = functools.partial(_kernel, group=group)
     arrays = [tier.extent, q_pos, qp, *codes, tier.k_scale, tier.k_zero]
     arrays += [flat(tier.v_scale), flat(tier.v_zero), flat(tier.pos)]
-    specs = [head_spec(), pl.BlockSpec((None,), lambda i, j, s: (i,))]
-    specs += [head_spec(*x.shape[2:]) for x in arrays[2:]]
+    specs = [head_spec(), pl.BlockSpec((None,), lambda i, j, s: (i,)), head_spec(*qp.shape[2:])]
+    kernel = functools.partial(
+        kernel,
+        bits=bits,
+        scale=scale,
+        block_k=block_k,
+        num_splits=splits,
+        return_logits=return_logits,
+    )
+    if layer is None:
+        specs += [head_spec(*x.shape[2:]) for x in arrays[3:]]
+    else:  # the stacks whole, viewed at the layer; the layer as the last input
+        specs += [whole_spec(x) for x in arrays[3:]]
+        arrays.append(jnp.asarray(layer, jnp.int32))
+        specs.append(pl.BlockSpec((), lambda *_: ()))
+        kernel = functools.partial(_in_place, body=kernel, batch=b)
     res = launch(
-        functools.partial(
-            kernel,
-            bits=bits,
-            scale=scale,
-            block_k=block_k,
-            num_splits=splits,
-            return_logits=return_logits,
-        ),
+        kernel,
         arrays,
         specs,
         qp,
@@ -560,6 +599,16 @@ def decode_attention_lowbit_triton(
         name=f"kvjax_decode_int{bits}",
     )
     return _unstack(res, npg, group, tp) if stack or tm else res
+
+
+def overflowing_codes(tier: LowBitTier) -> str | None:
+    """ "k" or "v" where that array of 1-byte codes (one layer's, or a whole layer stack) has
+    2^31 to 2^32 bytes, which Pallas' Triton lowering indexes with 32-bit offsets that overflow
+    (`kvjax.pallas_kernels._words`; it widens them only past 2^32 bytes); else None."""
+    for name in ("k", "v"):
+        if BYTE_OFFSETS <= getattr(tier, name).size <= 2 * BYTE_OFFSETS:
+            return name
+    return None
 
 
 def stacked_block_k(page: int, group: int, max_pages: int) -> int:

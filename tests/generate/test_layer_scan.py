@@ -1,7 +1,9 @@
 """A stacked cache (`new_cache(stacked=True)`) runs the layers in a `lax.scan`: every policy whose
 layers share one shape must give the logits and the cache of the unrolled step, through chunked
-prefill and decode; per-layer budgets are refused with one clear error."""
+prefill and decode; per-layer budgets are refused with one clear error. Through the Pallas
+kernels the scanned step hands every decode kernel the stack itself (read in place)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +14,7 @@ from policy_cases import NAMES, build
 
 import kvjax.generate._step as step_module
 from kvjax.cache import is_stacked, stack_cache, unstack_cache
+from kvjax.eval._kernel_ir import pallas_calls
 from kvjax.generate import GenerateConfig, generate, model_step, new_cache, score_tokens
 from kvjax.models import stack_params
 
@@ -42,19 +45,29 @@ def _run(config, policy, params, cache, tokens, impl="auto"):
 
 
 CASES = ["h2o", "confkv-int8", "qevict", "kvpop"]  # ranked, tiered INT8, low-bit routing, scorer
+PALLAS = ["confkv-int8", "qevict", "kivi"]  # INT8 tier; token-major low-bit pages, with masses
+# (the kernel's logits) and without
+
+
+def _policy(case: str):
+    """The case's policy; low-bit pages token-major (`LowBitTier`, every backend's layout).
+    Budgets below the 25 tokens: every policy evicts (or quantizes); QEvict needs room for a
+    window beside its sinks and band."""
+    policy = build(case, 16 if case == "qevict" else 12)
+    if hasattr(policy, "lowbit_layout"):
+        policy = dataclasses.replace(policy, lowbit_layout="token")
+    return policy
 
 
 @pytest.mark.parametrize(
-    "case, impl", [*((c, "auto") for c in CASES), ("confkv-int8", "pallas"), ("qevict", "pallas")]
+    "case, impl", [*((c, "auto") for c in CASES), *((c, "pallas") for c in PALLAS)]
 )
 def test_scanned_layers_equal_the_unrolled_step(tiny_llama, case, impl):
     # impl "pallas": decode attention by the Pallas kernels (interpreted here), which read the
-    # full and INT8 tiers of the scanned layer in the stack itself (`StackedLayer`) and
-    # QEvict's low-bit tier as a slice.
+    # full, INT8 and low-bit tiers of the scanned layer in the stack itself (`StackedLayer`);
+    # the scanned step then also equals XLA attention's.
     config, params = tiny_llama
-    # Budgets below the 25 tokens: every policy evicts (or quantizes); QEvict needs room for a
-    # window beside its sinks and band.
-    policy = build(case, 16 if case == "qevict" else 12)
+    policy = _policy(case)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, PREFILL + CHUNK)), jnp.int32)
     cache = new_cache(config, policy, batch=2, max_len=32, dtype=jnp.float32)
     want_logits, want_cache = _run(config, policy, params, cache, tokens, impl)
@@ -67,6 +80,31 @@ def test_scanned_layers_equal_the_unrolled_step(tiny_llama, case, impl):
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    if impl == "pallas":  # float32: the kernels and XLA differ in summation order only
+        xla_logits, _ = _run(config, policy, stack_params(params), stacked, tokens, "xla")
+        np.testing.assert_allclose(got_logits, xla_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", PALLAS)
+def test_scanned_pallas_step_hands_every_decode_kernel_the_stack(tiny_llama, case):
+    """Every decode kernel of the scanned step gets its tier's slot arrays as the whole stack
+    [L·B, Hkv, ...] (`layer=`): no slice of the stack is made for a kernel's operand (XLA would
+    copy it, every layer of every step). KIVI and QEvict: their token-major low-bit pages too."""
+    config, params = tiny_llama
+    policy = _policy(case)
+    b = 2
+    cache = new_cache(config, policy, batch=b, max_len=32, dtype=jnp.float32, stacked=True)
+    tok, one = jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 1), bool)
+    step = lambda c: model_step(
+        config, policy, stack_params(params), c, tok, one, implementation="pallas"
+    )
+    calls = pallas_calls(jax.make_jaxpr(step)(cache).jaxpr)
+    codes = jnp.int8 if case == "confkv-int8" else jnp.uint8  # INT8 or packed low-bit codes
+    assert any(e.invars[3].aval.dtype == codes for e in calls)  # (operand 3: the tier's k)
+    lead = config.num_layers * b
+    for e in calls:  # extent [B, Hkv], q_pos [B], q [B, Hkv, Gp, D]; then the tier's arrays
+        assert [v.aval.shape[0] for v in e.invars[3:-1]] == [lead] * (len(e.invars) - 4), e
+        assert e.invars[-1].aval.shape == ()  # the layer
 
 
 def test_stack_then_unstack_is_the_same_cache(tiny_llama):

@@ -133,3 +133,13 @@ def oracle(q, q_pos, full, int8, lowbit, bits, scale):
     den = p.sum(-1)
     out = np.einsum("bhgn,bhnd->bhgd", p, np.concatenate(values, 2)) / den[..., None]
     return out, m[..., 0] + np.log(den), logits, seen_all
+
+
+def stack_layers(tiers):
+    """The tiers' slot arrays stacked along a new leading [L] axis (a layer stack, `layer=`);
+    the extent stays the first tier's, one layer's [B, Hkv]."""
+    first = tiers[0]
+    stack = lambda f: (
+        getattr(first, f) if f == "extent" else jnp.stack([getattr(t, f) for t in tiers])
+    )
+    return type(first)(**{f: stack(f) for f in first._fields})

@@ -10,23 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decode_cases import Case, make_tiers, oracle
+from decode_cases import Case, make_tiers, oracle, stack_layers
 
 from kvjax.eval._kernel_ir import abstract_tiers, export_cuda
 from kvjax.pallas_kernels.decode_attention import FullTier, combine, decode_attention_triton
 
 L = 3
-
-
-def _stack(tiers):
-    """The tiers' slot arrays stacked along a new leading axis; extents stay per layer."""
-    first = tiers[0]
-    return type(first)(
-        **{
-            f: (getattr(first, f) if f == "extent" else jnp.stack([getattr(t, f) for t in tiers]))
-            for f in first._fields
-        }
-    )
 
 
 @pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
@@ -39,7 +28,7 @@ def test_stacked_layer_equals_the_sliced_layer_and_float64(tiers, logits):
     layers = [m[pick] for m in made]
     # every layer's extent is layer 1's, so the stack can carry one extent
     layers = [t._replace(extent=layers[1].extent) for t in layers]
-    stacked = _stack(layers)
+    stacked = stack_layers(layers)
     interpret = jax.default_backend() != "gpu"  # compiled on a GPU, interpreted elsewhere
     kw = dict(scale=0.3, block_k=16, num_splits=2, return_logits=logits, interpret=interpret)
     run = jax.jit(lambda i: decode_attention_triton(q, stacked, q_pos, i, **kw))
@@ -139,7 +128,7 @@ def test_stacked_layer_bad_inputs_raise_clear_errors():
     kw = dict(scale=0.3, interpret=True)
     with pytest.raises(ValueError, match="FullTier.pos"):  # a per-layer tier given a layer
         decode_attention_triton(q, full, q_pos, jnp.int32(0), **kw)
-    stacked = _stack([full, full])
+    stacked = stack_layers([full, full])
     bad = FullTier(stacked.k, stacked.v[:1], stacked.pos, stacked.extent)
     with pytest.raises(ValueError, match="leading"):
         decode_attention_triton(q, bad, q_pos, jnp.int32(0), **kw)
