@@ -25,7 +25,7 @@ from kvjax.pallas_kernels.decode_attention import (
 L = 3
 KERNELS = {  # the kernel bodies: `_kernel`, `_kernel_stacked` (also with int8 QK), tokens_m
     "dequant": dict(stack_pages=False),
-    "stacked": dict(stack_pages=True),
+    "stacked": dict(stack_pages=True, int8_qk=False),  # (Hopper's Tuning turns int8 QK on)
     "tokens_m": dict(tokens_m=True),
     "stacked-int8qk": dict(stack_pages=True, int8_qk=True),
 }
@@ -98,7 +98,8 @@ def test_decode_attention_reads_a_stacked_lowbit_tier_in_place():
     got = jax.jit(stacked)(jnp.int32(1))
     want = decode_attention(q, q_pos, full=full1, lowbit=low1, **kw)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # (equal on the CPU; the interpreter on a GPU may fuse the two programs differently)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     [codes] = [
         e for e in pallas_calls(jax.make_jaxpr(stacked)(jnp.int32(1)).jaxpr) if _is_lowbit(e)
     ]
