@@ -4,7 +4,8 @@ move lists (`_qevict_route.route`).
 
 Compile time on the CPU follows the number of distinct kernels, and every sort, cumsum and
 scatter is one or more: the rank is one two-key sort, the tiers go back to candidate order by a
-second, and all the partitions an event needs come from a third (docs/decisions.md).
+second, and all the partitions an event needs come from a third (docs/decisions.md); at small
+shapes the budget's running counts are matmuls (`running_counts`), not cumsums.
 """
 
 from __future__ import annotations
@@ -48,16 +49,40 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
         (key, -win, idx, valid, has_ledger.astype(jnp.int32)), num_keys=2, is_stable=True
     )
     cost = jnp.where(v_s, lay.fp_window_bytes + led_s * lay.page_bytes, 0)
-    cum = jnp.cumsum(cost, axis=-1)
+    n_v, n_led = running_counts([v_s, v_s & (led_s != 0)])
+    cum = lay.fp_window_bytes * n_v + lay.page_bytes * n_led  # = cumsum(cost), mod 2^32 too
     k = idx + 1
     rest = jnp.sum(v_s, axis=-1, keepdims=True, dtype=jnp.int32) - k
     reserve = jnp.minimum(lay.quant_bytes, lay.page_bytes * rest)
     fp_s = v_s & (cum + reserve <= lay.budget_bytes) & (k <= lay.fp_windows)
     left = lay.budget_bytes - jnp.sum(jnp.where(fp_s, cost, 0), axis=-1, keepdims=True)
-    j = jnp.cumsum(v_s & ~fp_s, axis=-1, dtype=jnp.int32)
+    (j,) = running_counts([v_s & ~fp_s])
     q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
     tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
     return jax.lax.sort((order, tier_s), num_keys=1)[1]
+
+
+def running_counts(flags: list[Array]) -> list[Array]:
+    """Inclusive running counts (`cumsum` as int32) of [..., N] bool arrays of one shape.
+
+    Where N is small, one matmul of the stacked flags with a triangular 0/1 matrix: exact
+    (0/1 products, float32 sums of at most N < 2^24), and one kernel to compile where XLA's
+    CPU compiler splits a cumsum into about five; above `_MATMUL_COUNTS` the N² matmul would
+    cost more than it saves, so cumsum.
+    """
+    n = flags[0].shape[-1]
+    if n > _MATMUL_COUNTS:
+        return [jnp.cumsum(f, axis=-1, dtype=jnp.int32) for f in flags]
+    upper = np.triu(np.ones((n, n), np.float32))  # upper[j, i] = j <= i
+    x = jnp.stack(flags, axis=-2).astype(jnp.float32)  # [..., len(flags), N]
+    got = jnp.einsum(
+        "...cj,ji->...ci", x, upper, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    ).astype(jnp.int32)  # fmt: skip
+    return [got[..., i, :] for i in range(len(flags))]
+
+
+_MATMUL_COUNTS = 256  # candidates per head up to which running counts are one matmul
 
 
 def true_first(flags: list[Array]) -> list[Array]:
