@@ -184,7 +184,7 @@ def route(
     stay_fp = (fp_win >= 0) & (t_fp == FP)
     promote = active & (t_pg == FP)
     linked = (led >= 0) & (fp_win >= 0) & (t_fp != EVICTED)
-    link = put(jnp.zeros((b, h, npg), bool), jnp.where(linked, led, npg), linked)
+    link = _linked_pages(jnp.where(linked, led, npg), npg)
     held = (active & (t_pg != EVICTED)) | link
     # Windows quantized now (first demotion): full-precision slots without a ledger, new windows.
     need_q = jnp.concatenate([(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT], -1)
@@ -280,6 +280,20 @@ def route(
         fp_ledger=fp_rows[..., 2 * w],
     )
     return new, plan
+
+
+def _linked_pages(led: Array, npg: int) -> Array:
+    """[B, H, P] bool: the pages named by led [B, H, F] (an index >= P names none). Where F·P
+    is small, one compare-and-any over the pairs (a single kernel to compile, where a scatter
+    is three); else a scatter."""
+    b, h, f = led.shape
+    if f * npg > _DENSE_PAIRS:
+        return put(jnp.zeros((b, h, npg), bool), led, led < npg)
+    pages = jnp.arange(npg, dtype=jnp.int32).reshape(1, 1, 1, npg)
+    return jnp.any(led[..., :, None] == pages, axis=-2)
+
+
+_DENSE_PAIRS = 1 << 16  # window slots x pages up to which the links are found without a scatter
 
 
 def _take(rows: Array, idx: Array) -> Array:
