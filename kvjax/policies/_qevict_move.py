@@ -153,6 +153,8 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
 
 def _take_new(new: Array, i: Array) -> Array:
     """Windows i [B, H, m] (clipped) of the K leaving the ring, new [B, H, K, ω, D]."""
+    if new.shape[2] == 1:  # a decode step: one window, no gather (one kernel less to compile)
+        return jnp.broadcast_to(new, (*i.shape, *new.shape[3:]))
     i = jnp.clip(i, 0, new.shape[2] - 1)
     return jnp.take_along_axis(new, i[..., None, None], axis=2)
 
