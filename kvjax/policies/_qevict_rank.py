@@ -30,8 +30,8 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     full precision.
 
     Two sorts: one two-key sort (score descending, then window id descending, then index: what
-    two stable argsorts gave) that carries the flags the budget reads, and one that puts the
-    tiers back in candidate order.
+    two stable argsorts gave) that carries the index and the flags the budget reads as one
+    operand, and one by that operand that puts the tiers back in candidate order.
 
     Args:
         win: [B, H, N] int32 window ids (-1 = no candidate).
@@ -42,24 +42,33 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     Returns:
         [B, H, N] int32 in {EVICTED, FP, INT}.
     """
+    if 4 * win.shape[-1] >= 2**31:
+        raise ValueError(f"assign_tiers: too many candidates ({win.shape[-1]})")
     valid = win >= 0
     idx = jax.lax.broadcasted_iota(jnp.int32, win.shape, win.ndim - 1)
     key = -jnp.where(valid, score, -jnp.inf)
-    *_, order, v_s, led_s = jax.lax.sort(
-        (key, -win, idx, valid, has_ledger.astype(jnp.int32)), num_keys=2, is_stable=True
-    )
-    cost = jnp.where(v_s, lay.fp_window_bytes + led_s * lay.page_bytes, 0)
-    n_v, n_led = running_counts([v_s, v_s & (led_s != 0)])
-    cum = lay.fp_window_bytes * n_v + lay.page_bytes * n_led  # = cumsum(cost), mod 2^32 too
+    # The index and the flags the budget reads ride along as one operand, 4·index + kind
+    # (kind 0: no window, 1: a window, 2: a window with a ledger entry): one array to build
+    # and sort where three were.
+    kind = valid.astype(jnp.int32) + (valid & has_ledger).astype(jnp.int32)
+    *_, packed = jax.lax.sort((key, -win, 4 * idx + kind), num_keys=2, is_stable=True)
+    v_s, led_s = (packed & 3) > 0, (packed & 3) > 1
+    n_v, n_led = running_counts([v_s, led_s])
+    # A window costs b_fp, plus b_q with a ledger entry: cum = cumsum(cost), mod 2^32 too.
+    cum = lay.fp_window_bytes * n_v + lay.page_bytes * n_led
     k = idx + 1
-    rest = jnp.sum(v_s, axis=-1, keepdims=True, dtype=jnp.int32) - k
+    rest = n_v[..., -1:] - k  # totals: the running counts' last entries
     reserve = jnp.minimum(lay.quant_bytes, lay.page_bytes * rest)
     fp_s = v_s & (cum + reserve <= lay.budget_bytes) & (k <= lay.fp_windows)
-    left = lay.budget_bytes - jnp.sum(jnp.where(fp_s, cost, 0), axis=-1, keepdims=True)
-    (j,) = running_counts([v_s & ~fp_s])
+    j, n_fp, n_fp_led = running_counts([v_s & ~fp_s, fp_s, fp_s & led_s])
+    # The bytes the full-precision windows leave: budget − Σ cost over them.
+    left = lay.budget_bytes - (
+        lay.fp_window_bytes * n_fp[..., -1:] + lay.page_bytes * n_fp_led[..., -1:]
+    )
     q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
     tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
-    return jax.lax.sort((order, tier_s), num_keys=1)[1]
+    # Back to candidate order: by the packed operand, whose order is the index's.
+    return jax.lax.sort((packed, tier_s), num_keys=1)[1]
 
 
 def running_counts(flags: list[Array]) -> list[Array]:

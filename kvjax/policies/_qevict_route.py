@@ -168,7 +168,7 @@ def route(
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
     win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
     score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    ledger = jnp.concatenate([led >= 0, active, jnp.zeros((b, h, kk), bool)], axis=-1)
+    ledger = jnp.pad(jnp.concatenate([led >= 0, active], -1), ((0, 0), (0, 0), (0, kk)))
     current = jnp.where(
         win >= 0,
         jnp.concatenate(
