@@ -76,8 +76,7 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     Returns:
         The layers with codes and K/V moved.
     """
-    rounds_q = jnp.max(jnp.stack([j.plan.rounds_q for j in jobs]))
-    rounds_fp = jnp.max(jnp.stack([j.plan.rounds_fp for j in jobs]))
+    rounds_q, rounds_fp = jnp.max(jnp.stack([j.plan.rounds for j in jobs]), axis=0)
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
     def body(r, carry):
@@ -102,7 +101,7 @@ def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    rounds_q, rounds_fp = jnp.max(job.plan.rounds_q), jnp.max(job.plan.rounds_fp)
+    rounds_q, rounds_fp = jnp.max(job.plan.rounds, axis=0)
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
     one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)

@@ -5,7 +5,9 @@ move lists (`_qevict_route.route`).
 Compile time on the CPU follows the number of distinct kernels, and every sort, cumsum and
 scatter is one or more: the rank is one two-key sort, the tiers go back to candidate order by a
 second, and all the partitions an event needs come from a third (docs/decisions.md); at small
-shapes the budget's running counts are matmuls (`running_counts`), not cumsums.
+shapes the budget's running counts are matmuls (`running_counts`), not cumsums, and no count
+is a sum (XLA:CPU compiles a sum as a conversion and two reductions): totals are the running
+counts' last entries, the move lists' lengths one more matmul (`true_first`).
 """
 
 from __future__ import annotations
@@ -94,20 +96,39 @@ def running_counts(flags: list[Array]) -> list[Array]:
 _MATMUL_COUNTS = 256  # candidates per head up to which running counts are one matmul
 
 
-def true_first(flags: list[Array]) -> list[Array]:
+def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
     """Stable partitions of several flag arrays at once: for each [B, H, n_i] bool array, its
     indices [B, H, n_i] int32 with the True entries first, each part in index order (what
-    `argsort(~flag, stable=True)` gives), from one sort of all of them end to end."""
-    sizes = [f.shape[-1] for f in flags]
-    lead = flags[0].shape[:-1]
+    `argsort(~flag, stable=True)` gives), from one sort of all of them end to end; and the
+    True entries of the first `counted` arrays, [B, H, counted] int32. A list of arrays in
+    `flags` is one flag array, them end to end (one concatenation to compile for all).
+
+    The sort is of one int32 key, (segment, ~flag, index) packed into bits, which are
+    distinct, so its order is the stable one and the index is the key's low bits (one operand
+    to build and sort, not two). The counts are one matmul of the same flags with a 0/1
+    segment matrix (exact: float32 sums of 0/1 below 2^24), one kernel where XLA's CPU
+    compiler turns each sum into a conversion and two reductions."""
+    flags = [list(f) if isinstance(f, (list, tuple)) else [f] for f in flags]
+    sizes = [sum(p.shape[-1] for p in f) for f in flags]
+    lead = flags[0][0].shape[:-1]
+    shift = max(max(sizes) - 1, 1).bit_length()  # bits of an index within its array
+    if (2 * len(flags)) << shift > 2**31 or sum(sizes) >= 2**24:
+        raise ValueError(f"true_first: arrays too large to pack into one key ({sizes})")
     seg = np.concatenate([np.full(n, 2 * i, np.int32) for i, n in enumerate(sizes)])
     local = np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])
-    key = jnp.asarray(seg).reshape((1,) * len(lead) + seg.shape) + jnp.concatenate(
-        [~f for f in flags], axis=-1
-    ).astype(jnp.int32)
-    local = jnp.broadcast_to(jnp.asarray(local), (*lead, local.size))
-    _, idx = jax.lax.sort((key, local), num_keys=1, is_stable=True)
-    return jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    bcast = lambda x: jnp.asarray(x).reshape((1,) * len(lead) + x.shape)
+    missing = jnp.concatenate([~p for f in flags for p in f], axis=-1)  # [B, H, Σ n_i]
+    key = ((bcast(seg) + missing.astype(jnp.int32)) << shift) | bcast(local)
+    idx = jax.lax.sort(key, dimension=-1) & ((1 << shift) - 1)
+    parts = jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    if not counted:
+        return parts, jnp.zeros((*lead, 0), jnp.int32)
+    first = np.repeat(np.eye(len(flags), counted, dtype=np.float32), sizes, axis=0)  # [N, c]
+    absent = jnp.einsum(
+        "...n,nc->...c", missing.astype(jnp.float32), first,
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+    ).astype(jnp.int32)  # fmt: skip
+    return parts, bcast(np.asarray(sizes[:counted], np.int32)) - absent
 
 
 def first_free(free_first: Array, count: Array, n: int, size: int) -> Array:

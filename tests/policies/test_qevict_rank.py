@@ -62,9 +62,11 @@ def test_tiers_equal_the_argsort_ranking(seed, share, budget):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_partitions_equal_stable_argsorts(seed):
+def test_partitions_and_counts_equal_stable_argsorts_and_sums(seed):
     rng = np.random.default_rng(seed)
     flags = [rng.random((2, 3, n)) < p for n, p in [(5, 0.5), (17, 0.2), (1, 0.5), (9, 0.9)]]
-    got = true_first([jnp.asarray(f) for f in flags])
+    got, counts = true_first([jnp.asarray(f) for f in flags], counted=3)
     for g, f in zip(got, flags, strict=True):
         np.testing.assert_array_equal(g, np.argsort(~f, axis=-1, stable=True))
+    want = np.stack([f.sum(-1) for f in flags[:3]], axis=-1)
+    np.testing.assert_array_equal(counts, want)
