@@ -140,6 +140,10 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
 
     deq_k, deq_v = lb.read(jnp.clip(src - f, 0, npg - 1), k.dtype)
     x_k, x_v = window(k, job.new_k, deq_k), window(v, job.new_v, deq_v)
+    # Materialized once: else XLA's CPU compiler fuses the reads and dequantization into each
+    # of their consumers (quantization, code packing, the scatters' updates), several copies
+    # of the same code to compile.
+    x_k, x_v = jax.lax.optimization_barrier((x_k, x_v))
     # Quantize rounds: into the allocated pages (a promoted page is held, never written here).
     lb = lb.write(jnp.where(quantize, dst, npg), x_k, x_v)
     # Promote rounds: into the window slots (their positions and scores are the event's).
