@@ -70,3 +70,11 @@ def test_partitions_and_counts_equal_stable_argsorts_and_sums(seed):
         np.testing.assert_array_equal(g, np.argsort(~f, axis=-1, stable=True))
     want = np.stack([f.sum(-1) for f in flags[:3]], axis=-1)
     np.testing.assert_array_equal(counts, want)
+    # A flag array given as pieces is them end to end: the same partitions and counts.
+    pieces = [jnp.asarray(flags[1][..., :7]), jnp.asarray(flags[1][..., 7:])]
+    got_pieces, counts_pieces = true_first(
+        [jnp.asarray(flags[0]), pieces, *map(jnp.asarray, flags[2:])], counted=3
+    )
+    for g, p in zip(got_pieces, got, strict=True):
+        np.testing.assert_array_equal(g, p)
+    np.testing.assert_array_equal(counts_pieces, counts)
