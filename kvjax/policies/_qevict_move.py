@@ -76,8 +76,7 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     Returns:
         The layers with codes and K/V moved.
     """
-    rounds_q = jnp.max(jnp.stack([j.plan.rounds_q for j in jobs]))
-    rounds_fp = jnp.max(jnp.stack([j.plan.rounds_fp for j in jobs]))
+    rounds_q, rounds_fp = jnp.max(jnp.stack([j.plan.rounds for j in jobs]), axis=0)
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
     def body(r, carry):
@@ -102,7 +101,7 @@ def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    rounds_q, rounds_fp = jnp.max(job.plan.rounds_q), jnp.max(job.plan.rounds_fp)
+    rounds_q, rounds_fp = jnp.max(job.plan.rounds, axis=0)
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
     one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)
@@ -141,6 +140,10 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
 
     deq_k, deq_v = lb.read(jnp.clip(src - f, 0, npg - 1), k.dtype)
     x_k, x_v = window(k, job.new_k, deq_k), window(v, job.new_v, deq_v)
+    # Materialized once: else XLA's CPU compiler fuses the reads and dequantization into each
+    # of their consumers (quantization, code packing, the scatters' updates), several copies
+    # of the same code to compile.
+    x_k, x_v = jax.lax.optimization_barrier((x_k, x_v))
     # Quantize rounds: into the allocated pages (a promoted page is held, never written here).
     lb = lb.write(jnp.where(quantize, dst, npg), x_k, x_v)
     # Promote rounds: into the window slots (their positions and scores are the event's).
@@ -153,6 +156,8 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
 
 def _take_new(new: Array, i: Array) -> Array:
     """Windows i [B, H, m] (clipped) of the K leaving the ring, new [B, H, K, ω, D]."""
+    if new.shape[2] == 1:  # a decode step: one window, no gather (one kernel less to compile)
+        return jnp.broadcast_to(new, (*i.shape, *new.shape[3:]))
     i = jnp.clip(i, 0, new.shape[2] - 1)
     return jnp.take_along_axis(new, i[..., None, None], axis=2)
 

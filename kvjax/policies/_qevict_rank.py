@@ -4,7 +4,10 @@ move lists (`_qevict_route.route`).
 
 Compile time on the CPU follows the number of distinct kernels, and every sort, cumsum and
 scatter is one or more: the rank is one two-key sort, the tiers go back to candidate order by a
-second, and all the partitions an event needs come from a third (docs/decisions.md).
+second, and all the partitions an event needs come from a third (docs/decisions.md); at small
+shapes the budget's running counts are matmuls (`running_counts`), not cumsums, and no count
+is a sum (XLA:CPU compiles a sum as a conversion and two reductions): totals are the running
+counts' last entries, the move lists' lengths one more matmul (`true_first`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     full precision.
 
     Two sorts: one two-key sort (score descending, then window id descending, then index: what
-    two stable argsorts gave) that carries the flags the budget reads, and one that puts the
-    tiers back in candidate order.
+    two stable argsorts gave) that carries the index and the flags the budget reads as one
+    operand, and one by that operand that puts the tiers back in candidate order.
 
     Args:
         win: [B, H, N] int32 window ids (-1 = no candidate).
@@ -41,39 +44,91 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     Returns:
         [B, H, N] int32 in {EVICTED, FP, INT}.
     """
+    if 4 * win.shape[-1] >= 2**31:
+        raise ValueError(f"assign_tiers: too many candidates ({win.shape[-1]})")
     valid = win >= 0
     idx = jax.lax.broadcasted_iota(jnp.int32, win.shape, win.ndim - 1)
     key = -jnp.where(valid, score, -jnp.inf)
-    *_, order, v_s, led_s = jax.lax.sort(
-        (key, -win, idx, valid, has_ledger.astype(jnp.int32)), num_keys=2, is_stable=True
-    )
-    cost = jnp.where(v_s, lay.fp_window_bytes + led_s * lay.page_bytes, 0)
-    cum = jnp.cumsum(cost, axis=-1)
+    # The index and the flags the budget reads ride along as one operand, 4·index + kind
+    # (kind 0: no window, 1: a window, 2: a window with a ledger entry): one array to build
+    # and sort where three were.
+    kind = valid.astype(jnp.int32) + (valid & has_ledger).astype(jnp.int32)
+    *_, packed = jax.lax.sort((key, -win, 4 * idx + kind), num_keys=2, is_stable=True)
+    v_s, led_s = (packed & 3) > 0, (packed & 3) > 1
+    n_v, n_led = running_counts([v_s, led_s])
+    # A window costs b_fp, plus b_q with a ledger entry: cum = cumsum(cost), mod 2^32 too.
+    cum = lay.fp_window_bytes * n_v + lay.page_bytes * n_led
     k = idx + 1
-    rest = jnp.sum(v_s, axis=-1, keepdims=True, dtype=jnp.int32) - k
+    rest = n_v[..., -1:] - k  # totals: the running counts' last entries
     reserve = jnp.minimum(lay.quant_bytes, lay.page_bytes * rest)
     fp_s = v_s & (cum + reserve <= lay.budget_bytes) & (k <= lay.fp_windows)
-    left = lay.budget_bytes - jnp.sum(jnp.where(fp_s, cost, 0), axis=-1, keepdims=True)
-    j = jnp.cumsum(v_s & ~fp_s, axis=-1, dtype=jnp.int32)
+    j, n_fp, n_fp_led = running_counts([v_s & ~fp_s, fp_s, fp_s & led_s])
+    # The bytes the full-precision windows leave: budget − Σ cost over them.
+    left = lay.budget_bytes - (
+        lay.fp_window_bytes * n_fp[..., -1:] + lay.page_bytes * n_fp_led[..., -1:]
+    )
     q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
     tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
-    return jax.lax.sort((order, tier_s), num_keys=1)[1]
+    # Back to candidate order: by the packed operand, whose order is the index's.
+    return jax.lax.sort((packed, tier_s), num_keys=1)[1]
 
 
-def true_first(flags: list[Array]) -> list[Array]:
+def running_counts(flags: list[Array]) -> list[Array]:
+    """Inclusive running counts (`cumsum` as int32) of [..., N] bool arrays of one shape.
+
+    Where N is small, one matmul of the stacked flags with a triangular 0/1 matrix: exact
+    (0/1 products, float32 sums of at most N < 2^24), and one kernel to compile where XLA's
+    CPU compiler splits a cumsum into about five; above `_MATMUL_COUNTS` the N² matmul would
+    cost more than it saves, so cumsum.
+    """
+    n = flags[0].shape[-1]
+    if n > _MATMUL_COUNTS:
+        return [jnp.cumsum(f, axis=-1, dtype=jnp.int32) for f in flags]
+    upper = np.triu(np.ones((n, n), np.float32))  # upper[j, i] = j <= i
+    x = jnp.stack(flags, axis=-2).astype(jnp.float32)  # [..., len(flags), N]
+    got = jnp.einsum(
+        "...cj,ji->...ci", x, upper, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    ).astype(jnp.int32)  # fmt: skip
+    return [got[..., i, :] for i in range(len(flags))]
+
+
+_MATMUL_COUNTS = 256  # candidates per head up to which running counts are one matmul
+
+
+def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
     """Stable partitions of several flag arrays at once: for each [B, H, n_i] bool array, its
     indices [B, H, n_i] int32 with the True entries first, each part in index order (what
-    `argsort(~flag, stable=True)` gives), from one sort of all of them end to end."""
-    sizes = [f.shape[-1] for f in flags]
-    lead = flags[0].shape[:-1]
+    `argsort(~flag, stable=True)` gives), from one sort of all of them end to end; and the
+    True entries of the first `counted` arrays, [B, H, counted] int32. A list of arrays in
+    `flags` is one flag array, them end to end (one concatenation to compile for all).
+
+    The sort is of one int32 key, (segment, ~flag, index) packed into bits, which are
+    distinct, so its order is the stable one and the index is the key's low bits (one operand
+    to build and sort, not two). The counts are one matmul of the same flags with a 0/1
+    segment matrix (exact: float32 sums of 0/1 below 2^24), one kernel where XLA's CPU
+    compiler turns each sum into a conversion and two reductions."""
+    flags = [list(f) if isinstance(f, (list, tuple)) else [f] for f in flags]
+    sizes = [sum(p.shape[-1] for p in f) for f in flags]
+    lead = flags[0][0].shape[:-1]
+    shift = max(max(sizes) - 1, 1).bit_length()  # bits of an index within its array
+    if (2 * len(flags)) << shift > 2**31 or sum(sizes) >= 2**24:
+        raise ValueError(f"true_first: arrays too large to pack into one key ({sizes})")
     seg = np.concatenate([np.full(n, 2 * i, np.int32) for i, n in enumerate(sizes)])
     local = np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])
-    key = jnp.asarray(seg).reshape((1,) * len(lead) + seg.shape) + jnp.concatenate(
-        [~f for f in flags], axis=-1
-    ).astype(jnp.int32)
-    local = jnp.broadcast_to(jnp.asarray(local), (*lead, local.size))
-    _, idx = jax.lax.sort((key, local), num_keys=1, is_stable=True)
-    return jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    bcast = lambda x: jnp.asarray(x).reshape((1,) * len(lead) + x.shape)
+    missing = jnp.concatenate([~p for f in flags for p in f], axis=-1)  # [B, H, Σ n_i]
+    key = ((bcast(seg) + missing.astype(jnp.int32)) << shift) | bcast(local)
+    idx = jax.lax.sort(key, dimension=-1) & ((1 << shift) - 1)
+    parts = jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    if not counted:
+        return parts, jnp.zeros((*lead, 0), jnp.int32)
+    first = np.repeat(np.eye(len(flags), counted, dtype=np.float32), sizes, axis=0)  # [N, c]
+    absent = jnp.einsum(
+        "...n,nc->...c", missing.astype(jnp.float32), first,
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+    ).astype(jnp.int32)  # fmt: skip
+    return parts, bcast(np.asarray(sizes[:counted], np.int32)) - absent
 
 
 def first_free(free_first: Array, count: Array, n: int, size: int) -> Array:

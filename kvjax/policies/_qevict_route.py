@@ -107,13 +107,13 @@ class MovePlan(NamedTuple):
             [0, Lq) are quantize moves (the needed ones first), [Lq, Lq + Lf) promote moves.
         dst: [B, H, Lq + Lf] int32 where each entry goes: a page (quantize; P = nowhere) or a
             full-precision window slot (promote; F = nowhere).
-        rounds_q, rounds_fp: [] int32 rounds of each kind (0 when nothing moves).
+        rounds: [2] int32 rounds of each kind, quantize then promote (0 when nothing moves;
+            one array: two would each be sliced out by a kernel of its own).
     """
 
     src: Array
     dst: Array
-    rounds_q: Array
-    rounds_fp: Array
+    rounds: Array
 
 
 def _round_up(n: int, m: int) -> int:
@@ -124,9 +124,8 @@ def empty_plan(b: int, h: int, lay: Layout, kk: int, moves: int | None) -> MoveP
     """The plan of a step without a routing event: nothing moves (zero rounds: the lists are
     never read)."""
     n_q, n_fp, m = move_sizes(lay, kk, moves)
-    zero = jnp.zeros((), jnp.int32)
     lists = jnp.zeros((b, h, _round_up(n_q, m) + _round_up(n_fp, m)), jnp.int32)
-    return MovePlan(src=lists, dst=lists, rounds_q=zero, rounds_fp=zero)
+    return MovePlan(src=lists, dst=lists, rounds=jnp.zeros((2,), jnp.int32))
 
 
 def route(
@@ -168,7 +167,7 @@ def route(
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
     win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
     score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    ledger = jnp.concatenate([led >= 0, active, jnp.zeros((b, h, kk), bool)], axis=-1)
+    ledger = jnp.pad(jnp.concatenate([led >= 0, active], -1), ((0, 0), (0, 0), (0, kk)))
     current = jnp.where(
         win >= 0,
         jnp.concatenate(
@@ -184,25 +183,25 @@ def route(
     stay_fp = (fp_win >= 0) & (t_fp == FP)
     promote = active & (t_pg == FP)
     linked = (led >= 0) & (fp_win >= 0) & (t_fp != EVICTED)
-    link = put(jnp.zeros((b, h, npg), bool), jnp.where(linked, led, npg), linked)
+    link = _linked_pages(jnp.where(linked, led, npg), npg)
     held = (active & (t_pg != EVICTED)) | link
     # Windows quantized now (first demotion): full-precision slots without a ledger, new windows.
-    need_q = jnp.concatenate([(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT], -1)
+    need_q = [(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT]
     # Windows entering full precision: promoted pages (from their ledger), new windows.
-    need_fp = jnp.concatenate([promote, t_new == FP], -1)
+    need_fp = [promote, t_new == FP]
     # Each list needed-first, and the free pages and slots in index order: the i-th needed
     # window goes to the i-th free page (slot). Only windows that change storage are read,
     # `moves` of each kind per round.
-    order_q, order_fp, free_pg, free_fp = true_first([need_q, need_fp, ~held, ~stay_fp])
+    (order_q, order_fp, free_pg, free_fp), counts = true_first(
+        [need_q, need_fp, ~held, ~stay_fp], counted=2
+    )
     n_q, n_fp, m = move_sizes(lay, kk, moves)
-    count_q = jnp.sum(need_q, axis=-1, dtype=jnp.int32)
-    count_fp = jnp.sum(need_fp, axis=-1, dtype=jnp.int32)
+    count_q, count_fp = counts[..., 0], counts[..., 1]
     page_dst = first_free(free_pg, count_q, n_q, npg)  # [B, H, F + K]
     fp_dst = first_free(free_fp, count_fp, n_fp, f)  # [B, H, P + K]
-    padded = lambda x, n, fill: jnp.concatenate(
-        [x, jnp.full((b, h, _round_up(n, m) - n), fill, jnp.int32)], -1
+    padded = lambda x, n, fill: jnp.pad(
+        x, ((0, 0), (0, 0), (0, _round_up(n, m) - n)), constant_values=fill
     )
-    rounds = lambda count: -(-jnp.max(count) // m)
     plan = MovePlan(
         # Candidates numbered for the move loop: window slots, then pages, then new windows.
         src=jnp.concatenate(
@@ -213,8 +212,7 @@ def route(
             -1,
         ),  # fmt: skip
         dst=jnp.concatenate([padded(page_dst, n_q, npg), padded(fp_dst, n_fp, f)], -1),
-        rounds_q=rounds(count_q),
-        rounds_fp=rounds(count_fp),
+        rounds=-(-jnp.max(counts, axis=(0, 1)) // m),  # the busiest head's
     )
 
     # Metadata of every page and slot (small arrays), each kind by one scatter. A page's row
@@ -280,6 +278,20 @@ def route(
         fp_ledger=fp_rows[..., 2 * w],
     )
     return new, plan
+
+
+def _linked_pages(led: Array, npg: int) -> Array:
+    """[B, H, P] bool: the pages named by led [B, H, F] (an index >= P names none). Where F·P
+    is small, one compare-and-any over the pairs (a single kernel to compile, where a scatter
+    is three); else a scatter."""
+    b, h, f = led.shape
+    if f * npg > _DENSE_PAIRS:
+        return put(jnp.zeros((b, h, npg), bool), led, led < npg)
+    pages = jnp.arange(npg, dtype=jnp.int32).reshape(1, 1, 1, npg)
+    return jnp.any(led[..., :, None] == pages, axis=-2)
+
+
+_DENSE_PAIRS = 1 << 16  # window slots x pages up to which the links are found without a scatter
 
 
 def _take(rows: Array, idx: Array) -> Array:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from kvjax.policies import QEvictPolicy
-from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, true_first
+from kvjax.policies._qevict_rank import (
+    _MATMUL_COUNTS,
+    EVICTED,
+    FP,
+    INT,
+    assign_tiers,
+    true_first,
+)
 
 
 def tiers_by_argsorts(win, score, has_ledger, lay):
@@ -36,12 +43,14 @@ def tiers_by_argsorts(win, score, has_ledger, lay):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("share", [0.25, 0.75])
-def test_tiers_equal_the_argsort_ranking(seed, share):
-    lay = QEvictPolicy(budget=60, window=4, sinks=2, band=8, quant_share=share).layout(
+@pytest.mark.parametrize("budget", [60, 700])  # 700: > 256 candidates, the cumsum counts
+def test_tiers_equal_the_argsort_ranking(seed, share, budget):
+    lay = QEvictPolicy(budget=budget, window=4, sinks=2, band=8, quant_share=share).layout(
         8, jnp.float32
     )
     rng = np.random.default_rng(seed)
     shape = (3, 2, lay.fp_windows + lay.pages + 2)
+    assert (shape[-1] > _MATMUL_COUNTS) == (budget > 60)
     win = rng.integers(-1, 12, shape).astype(np.int32)  # repeated ids and holes
     score = rng.integers(0, 4, shape).astype(np.float32)  # ties everywhere
     score[rng.random(shape) < 0.1] = -0.0
@@ -53,9 +62,19 @@ def test_tiers_equal_the_argsort_ranking(seed, share):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_partitions_equal_stable_argsorts(seed):
+def test_partitions_and_counts_equal_stable_argsorts_and_sums(seed):
     rng = np.random.default_rng(seed)
     flags = [rng.random((2, 3, n)) < p for n, p in [(5, 0.5), (17, 0.2), (1, 0.5), (9, 0.9)]]
-    got = true_first([jnp.asarray(f) for f in flags])
+    got, counts = true_first([jnp.asarray(f) for f in flags], counted=3)
     for g, f in zip(got, flags, strict=True):
         np.testing.assert_array_equal(g, np.argsort(~f, axis=-1, stable=True))
+    want = np.stack([f.sum(-1) for f in flags[:3]], axis=-1)
+    np.testing.assert_array_equal(counts, want)
+    # A flag array given as pieces is them end to end: the same partitions and counts.
+    pieces = [jnp.asarray(flags[1][..., :7]), jnp.asarray(flags[1][..., 7:])]
+    got_pieces, counts_pieces = true_first(
+        [jnp.asarray(flags[0]), pieces, *map(jnp.asarray, flags[2:])], counted=3
+    )
+    for g, p in zip(got_pieces, got, strict=True):
+        np.testing.assert_array_equal(g, p)
+    np.testing.assert_array_equal(counts_pieces, counts)
