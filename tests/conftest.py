@@ -9,9 +9,11 @@ that nested call can wait forever for a slot held by work queued behind it (docs
 One persistent compilation cache per test run: a fresh temporary directory made by the first
 process (the xdist controller; its workers inherit the variable) and removed when that process
 exits. An executable compiled by one test module is loaded, not compiled again, by a later
-module or the other worker (the compile caches in memory are dropped after every module). It
-starts empty on every run, so nothing carries over between runs. KVJAX_TEST_XLA_CACHE=DIR uses
-(and keeps) DIR instead; KVJAX_TEST_XLA_CACHE=off turns the cache off.
+module of the same worker (the compile caches in memory are dropped after every module; each
+xdist worker writes a subdirectory of its own, since a shared one let a worker read an entry
+the other was still writing). It starts empty on every run, so nothing carries over between
+runs. KVJAX_TEST_XLA_CACHE=DIR uses (and keeps) DIR instead; KVJAX_TEST_XLA_CACHE=off turns the
+cache off.
 """
 
 import atexit
@@ -30,9 +32,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not os.environ.get("KVJAX_TEST_XLA_CACHE"):
     os.environ["KVJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="kvjax-test-xla-")
     atexit.register(shutil.rmtree, os.environ["KVJAX_TEST_XLA_CACHE"], ignore_errors=True)
-XLA_CACHE = os.environ["KVJAX_TEST_XLA_CACHE"]
-# In-process CLI runs (which turn the cache on for themselves) use the same directory.
-os.environ.setdefault("KVJAX_COMPILATION_CACHE", XLA_CACHE)
+_BASE = os.environ["KVJAX_TEST_XLA_CACHE"]
+# Each xdist worker its own subdirectory: JAX (0.11.2) writes an entry in place, so a worker
+# reading an entry the other is still writing saw a truncated file (a warning, an error here).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+XLA_CACHE = os.path.join(_BASE, _WORKER) if _WORKER and _BASE != "off" else _BASE
+if XLA_CACHE != "off":
+    os.makedirs(XLA_CACHE, exist_ok=True)
+# In-process CLI runs (which turn the cache on for themselves) use the same directory, unless
+# the user named one (the controller's own setting is inherited: replaced by the worker's).
+if os.environ.get("KVJAX_COMPILATION_CACHE", _BASE) == _BASE:
+    os.environ["KVJAX_COMPILATION_CACHE"] = XLA_CACHE
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
