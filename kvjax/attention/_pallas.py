@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax._numerics import einsum_f32
 from kvjax.attention._types import AttnStats
-from kvjax.cache import KernelLowBitTier, LayerCache, StackedLayer
+from kvjax.cache import KernelLowBitTier, LayerCache, StackedLayer, tier_extents
 from kvjax.pallas_kernels.decode_attention import (
     ChannelMajorLowBitTier,
     FullTier,
@@ -35,12 +35,6 @@ from kvjax.pallas_kernels.decode_attention import (
 from kvjax.sharding import Axis, Layout, Names, layer_names
 
 Array = jax.Array
-
-
-def _extent(occupied: Array) -> Array:
-    """[B, Hkv, N] bool → [B, Hkv] int32 one past the last True."""
-    idx = jnp.arange(1, occupied.shape[-1] + 1, dtype=jnp.int32)
-    return jnp.max(jnp.where(occupied, idx, 0), axis=-1)
 
 
 def _visible(pos: Array, q_pos: Array) -> Array:
@@ -94,20 +88,21 @@ def attend_pallas(
     backend = default_backend()
     if layer.head is not None or backend == "tpu":  # their kernels take a layer, not a stack
         stacked = None
-    ext = stacked.extents if stacked is not None else None  # precomputed for every layer
+    # The tiers' extents: precomputed for every layer before a layer scan, else the layer's.
+    given = stacked.extents if stacked is not None else None
+    ext = given if given is not None else tier_extents(layer)
     if layer.head is not None:  # one pool read once for every head (`_triton_pooled.py`)
-        full = PooledTier(layer.k, layer.v, layer.pos, layer.head, _extent(layer.pos >= 0))
+        full = PooledTier(layer.k, layer.v, layer.pos, layer.head, ext.full)
     else:
         src = stacked.stack if stacked is not None else layer  # the stack: read in place
-        full = FullTier(src.k, src.v, src.pos, ext.full if ext is not None else layer.live_extent())
+        full = FullTier(src.k, src.v, src.pos, ext.full)
     int8 = lowbit = None
     if layer.int8 is not None:
         t8 = stacked.stack.int8 if stacked is not None else layer.int8
-        extent8 = ext.int8 if ext is not None else _extent(layer.int8.pos >= 0)
-        int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, extent8)
+        int8 = Int8Tier(t8.k, t8.v, t8.k_scale, t8.v_scale, t8.pos, ext.int8)
     if layer.lowbit is not None:
         lb = layer.lowbit
-        extent = ext.lowbit if ext is not None else _extent(jnp.any(lb.pos >= 0, axis=-1))
+        extent = ext.lowbit
         # A stacked cache's pages are read at the layer in place (no slice of the stack).
         src = stacked.stack.lowbit if stacked is not None else lb
         if isinstance(lb, KernelLowBitTier):  # read as stored by the Mosaic GPU kernel

@@ -63,7 +63,8 @@ def confidence(logits: Array) -> Confidence:
     b, v = logits.shape
     if v < 2:
         raise ValueError(f"confidence: needs at least 2 logits a row (top-2 margin), got {v}")
-    x = logits.astype(jnp.float32).reshape(b, v // chunk_width(v), chunk_width(v))
+    w = chunk_width(v)
+    x = logits.astype(jnp.float32).reshape(b, v // w, w)
     top = _reduce(jnp.max, x)  # [B]
     lse = top + jnp.log(_reduce(jnp.sum, jnp.exp(x - top[:, None, None])))
     logp = x - lse[:, None, None]
