@@ -172,7 +172,7 @@ def decode_attention(
 
 def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:
     """Layer `layer` sliced out of a stacked token-major tier (its extent is the layer's)."""
-    from kvjax.pallas_kernels.decode_attention._triton import layer_view
+    from kvjax.pallas_kernels.decode_attention._validate import layer_view
 
     layer_view(tier, layer)  # the stack's own checks, with their messages
     take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)

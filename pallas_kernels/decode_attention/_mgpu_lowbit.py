@@ -36,7 +36,11 @@ from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_channel_major, check_query
+from kvjax.pallas_kernels.decode_attention._validate import (
+    check_channel_major,
+    check_query,
+    layer_view,
+)
 
 Array = jax.Array
 COLS = 16  # most query heads per KV head (the dots' N; 8 when G <= 8)
@@ -353,13 +357,7 @@ def decode_attention_lowbit_mgpu(
         check_channel_major(tier, q, bits)  # raises: names what was given
     data = (tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
     if layer is not None:  # checked as one layer of the stack
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
-        if any(getattr(a, "ndim", 0) < 1 for a in data):
-            raise ValueError("layer= needs the tier's arrays stacked with a leading layer axis")
-        one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-        view = tier._replace(k=one(tier.k), v=one(tier.v), k_stats=one(tier.k_stats),
-                             v_stats=one(tier.v_stats), pos=one(tier.pos))  # fmt: skip
+        view = layer_view(tier, layer)
         lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
     else:
         view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis

@@ -23,7 +23,7 @@ from kvjax.pallas_kernels._words import BYTE_OFFSETS, as_words
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query, layer_view
 
 Array = jax.Array
 _NEG = -1e30  # running-max floor: exp(-inf - _NEG) = 0 and never inf - inf
@@ -458,21 +458,3 @@ def decode_attention_triton(
 def _check_tier(tier, layer, q) -> None:
     """`check_dense` of the tier against q; with `layer`, of one layer of the stack."""
     check_dense(tier if layer is None else layer_view(tier, layer), q)
-
-
-def layer_view(tier, layer):
-    """One layer of a stacked tier (`layer=`), for the per-layer checks: `layer` must be an
-    integer scalar and every slot array (all but extent, the layer's own) carry one leading [L]
-    axis of the same size; returns the tier with those arrays as one layer's ShapeDtypeStructs."""
-    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"decode attention: layer must be an integer scalar, got {layer!r}")
-    slots = {f: a for f, a in tier._asdict().items() if f != "extent"}
-    lead = {f: (tuple(getattr(a, "shape", ())) or (None,))[0] for f, a in slots.items()}
-    if len(set(lead.values())) != 1 or any(getattr(a, "ndim", 0) < 2 for a in slots.values()):
-        sizes = ", ".join(f"{f} {n}" for f, n in lead.items())
-        raise ValueError(
-            f"decode attention: with layer=, every slot array of the {type(tier).__name__} needs "
-            f"one leading [L] axis of the same size, got leading sizes {sizes}"
-        )
-    one = {f: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for f, a in slots.items()}
-    return tier._replace(**one)

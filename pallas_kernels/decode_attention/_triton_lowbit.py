@@ -34,7 +34,6 @@ from kvjax.pallas_kernels.decode_attention._triton import (
     finish,
     head_spec,
     launch,
-    layer_view,
     merge_layers,
     pad_group,
     rows_int8,
@@ -45,7 +44,11 @@ from kvjax.pallas_kernels.decode_attention._triton import (
 )
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_lowbit, check_query
+from kvjax.pallas_kernels.decode_attention._validate import (
+    check_lowbit,
+    check_query,
+    layer_view,
+)
 
 Array = jax.Array
 _NEG = -1e30

@@ -140,3 +140,21 @@ def check_channel_major(tier, q, bits: int) -> None:
     _expect(f"{name}.v_stats", tier.v_stats, (b, hkv, pages, 2, ng, tp), (jnp.bfloat16,))
     _expect(f"{name}.pos", tier.pos, (b, hkv, pages, tp), (jnp.int32,))
     _expect(f"{name}.extent", tier.extent, (b, hkv), (jnp.int32,))
+
+
+def layer_view(tier, layer):
+    """One layer of a stacked tier (`layer=`), for the per-layer checks: `layer` must be an
+    integer scalar and every slot array (all but extent, the layer's own) carry one leading [L]
+    axis of the same size; returns the tier with those arrays as one layer's ShapeDtypeStructs."""
+    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"decode attention: layer must be an integer scalar, got {layer!r}")
+    slots = {f: a for f, a in tier._asdict().items() if f != "extent"}
+    lead = {f: (tuple(getattr(a, "shape", ())) or (None,))[0] for f, a in slots.items()}
+    if len(set(lead.values())) != 1 or any(getattr(a, "ndim", 0) < 2 for a in slots.values()):
+        sizes = ", ".join(f"{f} {n}" for f, n in lead.items())
+        raise ValueError(
+            f"decode attention: with layer=, every slot array of the {type(tier).__name__} needs "
+            f"one leading [L] axis of the same size, got leading sizes {sizes}"
+        )
+    one = {f: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for f, a in slots.items()}
+    return tier._replace(**one)
