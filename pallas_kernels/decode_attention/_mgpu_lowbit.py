@@ -79,6 +79,63 @@ def _native(ref, load: str, bits: int, c: int) -> Array:
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
 
 
+OFFSET = 136  # what `_offset_codes` adds to a code: 0x4300 (128) and the top slice's sign flip
+
+
+def _lop3_offset(x: Array, mask: int) -> Array:
+    """int4 codes [M, K] (wgmma layout) → bfloat16 (n & mask) ^ 8 + 128 = code + OFFSET, with
+    one byte permute and one LOP3 a pair of codes (Mosaic GPU's own conversion also subtracts
+    the bias, a third instruction; the offset is taken out through the statistics instead).
+    GPU only: the interpreter cannot run inline Mosaic GPU code (`_offset_codes` emulates it)."""
+    # Inline Mosaic GPU needs MLIR's LLVM dialect, which jax.extend does not export.
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic import gpu as mgpu
+
+    mask32 = mask | mask << 16
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def convert(_ctx, arr):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty_like(arr.registers)
+        for idx, reg in np.ndenumerate(arr.registers):
+            src = getattr(reg.owner, "opview", None)
+            if (
+                isinstance(src, vector.ExtractStridedSliceOp)
+                and mgpu.utils.bitwidth(src.source.type) == 32
+            ):  # a pair sliced from a loaded 32-bit word: permute its byte out of the word
+                word, part = mgpu.utils.bitcast(src.source, i32), src.offsets[0].value // 2
+            else:
+                word, part = arith.extui(i32, mgpu.utils.bitcast(reg, i8)), 0
+            high = arith.shrui(word, mgpu.utils.c(4, i32))  # the byte's high nibble, low
+            res = llvm.inline_asm(
+                i32,
+                [word, high],
+                "{ .reg .b32 s; "
+                f"prmt.b32 s, $1, $2, 0xF{part + 4}F{part}; "
+                f"lop3.b32 $0, s, {mask32:#010x}, 0x43084308, 0x6a; }}",  # (s & m) ^ c
+                "=r,r,r",
+            )
+            out[idx] = mgpu.utils.bitcast(res, pair)
+        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+
+    return convert(x)
+
+
+def _offset_codes(ref, bits: int, c: int, interpret: bool) -> Array:
+    """Code slice c of an int4 tile as bfloat16 code + OFFSET (the code as `_native` reads it:
+    signed at 4 bits, the slice where it lies at 2 bits): exact in bfloat16 (128 ... 143)."""
+    if interpret:
+        return _native(ref, "auto", bits, c) + jnp.bfloat16(OFFSET)
+    mask = ((1 << bits) - 1) << (c * bits)
+    return _lop3_offset(plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=True), mask)
+
+
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
     """Why the Mosaic GPU low-bit kernel cannot run this (validated) tier (None if it can)."""
     tp, d = tier.k.shape[3], q.shape[3]
@@ -103,6 +160,7 @@ def _kernel(
     extent_ref,  # [B, Hkv] int32
     qpos_ref,  # [B] int32
     q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
+    qt_ref,  # fold_keys: [B, Hkv, D, N] f32, q^T (read once into registers); else unused
     k_ref,  # [L, B, Hkv, P, 64, D·bits/8] uint8 (L layers: a stacked cache's, or 1)
     v_ref,  # [L, B, Hkv, P, D, 64·bits/8] uint8
     ks_ref,  # [L, B, Hkv, P, 2, D] bf16 kernel-ready key statistics
@@ -125,11 +183,15 @@ def _kernel(
     int4_load: str = "upcast2x",
     return_logits: bool = False,
     pages_per_step: int = 1,
+    fold_keys: bool = False,
+    offset: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
         1 if return_logits else 0 :
     ]
+    if fold_keys:  # the B operand (q⊙scale)^T of each page of a step
+        qs_smem, *stage = stage
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
     # nibble.
@@ -159,6 +221,10 @@ def _kernel(
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+    if fold_keys:  # q^T [D, N] in registers for the whole loop (N·D/128 floats a thread)
+        qt = plgpu.load(qt_ref.at[b, h], layout=plgpu.Layout.WGMMA, optimized=False)
+        # offset codes: each key channel's operand is its code + OFFSET
+        koff = float(OFFSET) if offset else 0.0
 
     def start(i):
         """The first page step i copies: i·pp, moved back to stay inside the P pages when P is
@@ -194,12 +260,44 @@ def _kernel(
         for bar in (pos_bar, ks_bar, k_bar):
             plgpu.barrier_wait(bar.at[slot])
 
+        def fold(j):
+            """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
+            operand, and each column's Σ_c q·zero (less the offset codes' share of the stored,
+            rounded q⊙scale) as a float32 [N]: S = codes·(q⊙scale)^T + bias."""
+            rowv = plgpu.Layout.WGMMA.reduce(1)
+            st = [
+                lax.broadcast_in_dim(
+                    plgpu.load(ks_smem.at[slot, j, t], layout=rowv, optimized=True).astype(
+                        jnp.float32
+                    ),
+                    qt.shape,
+                    [0],
+                )
+                for t in range(2)
+            ]
+            qs = (qt * st[0]).astype(jnp.bfloat16)
+            qs_smem.at[j].T[...] = qs
+            return (qt * st[1] - koff * qs.astype(jnp.float32)).sum(axis=0)
+
+        biases = [fold(j) for j in range(pp)] if fold_keys else None
+        if fold_keys:
+            plgpu.commit_smem()
+
         def qk(*s_refs):
             for j, s_ref in enumerate(s_refs):  # page j of the step
                 # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 ref)
                 kc = k_smem.at[slot, j] if native else k_smem[slot, j]
                 keys = []
                 for c in range(n):  # slice c: channels c·w ... (c+1)·w
+                    if offset:  # code + OFFSET: a permute and one LOP3 a pair
+                        code = _offset_codes(kc, bits, c, interpret)
+                    elif native:
+                        code = _native(kc, int4_load, bits, c)
+                    else:
+                        code = _slice(kc, c, bits)
+                    if fold_keys:  # the statistics are on q: the codes are the operand
+                        keys.append(code)
+                        continue
                     # Statistics loaded at their use: a whole page's at once would hold
                     # registers that cap the CTAs per multiprocessor.
                     st = [
@@ -208,16 +306,20 @@ def _kernel(
                         )
                         for t in range(2)
                     ]
-                    code = _native(kc, int4_load, bits, c) if native else _slice(kc, c, bits)
                     kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
                     keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
                 keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
-                plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
+                if fold_keys:
+                    plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+                else:
+                    plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
             return tuple(s_ref[...] for s_ref in s_refs)
 
         accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp)]
         ss = []
         for j, s in enumerate(pl.run_scoped(qk, *accs)):
+            if fold_keys:  # each column's share of the zeros (and of the codes' offset)
+                s = s + lax.broadcast_in_dim(biases[j], s.shape, [1])
             pos = plgpu.load(pos_smem.at[slot, j], layout=row, optimized=True)
             page = start(i) + j
             own = page >= i * pp  # not the step before's (a moved-back last step)
@@ -249,8 +351,11 @@ def _kernel(
                 ]
                 vst = [lax.broadcast_in_dim(x.astype(jnp.float32), p.shape, [0]) for x in vst]
                 # A token's value scale multiplies its probability: value codes need no FMA.
-                p_smem.at[g, j].T[...] = (p * vst[0]).astype(jnp.bfloat16)
+                pv_ = (p * vst[0]).astype(jnp.bfloat16)
+                p_smem.at[g, j].T[...] = pv_
                 z = z + p * vst[1]
+                if offset:  # the dot reads code + OFFSET: take OFFSET·P' (as stored) back out
+                    z = z - float(OFFSET) * pv_.astype(jnp.float32)
             new_zt.append(z)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_bar.at[slot])
@@ -260,7 +365,11 @@ def _kernel(
                 for j in range(pp):
                     if native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
                         rows = pl.ds(r * 64, 64) if bits == 4 else pl.ds(0, 64)
-                        codes = _native(v_smem.at[slot, j, rows], int4_load, bits, r)
+                        vref = v_smem.at[slot, j, rows]
+                        if offset:
+                            codes = _offset_codes(vref, bits, r, interpret)
+                        else:
+                            codes = _native(vref, int4_load, bits, r)
                     else:
                         vc = v_smem[slot, j, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8]
                         codes = [_slice(vc, c, bits) for c in range(n)]  # tokens c·64/n …
@@ -305,6 +414,8 @@ def _kernel(
         "int4_load",
         "return_logits",
         "pages_per_step",
+        "fold_keys",
+        "int4_offset",
         "interpret",
     ),
 )
@@ -320,6 +431,8 @@ def decode_attention_lowbit_mgpu(
     int4_load: str = "upcast2x",
     return_logits: bool = False,
     pages_per_step: int | None = None,
+    fold_keys: bool | None = None,
+    int4_offset: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -342,6 +455,14 @@ def decode_attention_lowbit_mgpu(
             barrier wait, one softmax reduction and one rescale for both; with an odd P the last
             step copies the last two pages and attends only its own). Default: the device's
             Tuning.mgpu_lowbit_pages (at most P).
+        fold_keys: put each page's key statistics on q instead of on the codes: the page's
+            (q⊙scale)^T and (q⊙zero)^T are stored as B operands and S = codes·(q⊙scale)^T +
+            ones·(q⊙zero)^T, so the key codes need no arithmetic but their conversion.
+            Default: the device's Tuning.mgpu_lowbit_fold_keys.
+        int4_offset: int4 codes (`native`) convert to bfloat16 as code + 136 (one permute and
+            one LOP3 a pair of codes, no subtract) and the offset comes back out through the
+            folded key statistics and the value zeros' tile. Needs int4 codes and fold_keys.
+            Default: the device's Tuning.mgpu_lowbit_int4_offset where those hold.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -380,10 +501,24 @@ def decode_attention_lowbit_mgpu(
     else:
         pp = pages_per_step
     steps = -(-pages // pp)
+    fold = tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
+    native = view.k.dtype == jnp.int4
+    if int4_offset is None:
+        offset = tune.mgpu_lowbit_int4_offset and native and fold
+    elif int4_offset and not (native and fold):
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): int4_offset=True needs int4 codes"
+            " (to_channel_major(native=True)) and fold_keys"
+            f" (got {view.k.dtype} codes, fold_keys={fold})"
+        )
+    else:
+        offset = bool(int4_offset)
     stages = max(1, min(stages or tune.mgpu_stages, steps))
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_target_programs)
     cols = 8 if group <= 8 else COLS
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
+    # fold_keys: q^T in float32 for the per-page products; else a placeholder never read
+    qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
     f32 = jnp.float32
     out_type = [
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
@@ -392,7 +527,6 @@ def decode_attention_lowbit_mgpu(
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, pages, PAGE, cols), f32))
     ng = view.v_stats.shape[4]
-    native = view.k.dtype == jnp.int4
     if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
         codes = [
             smem_tile((stages, pp, PAGE, d * bits // 4), jnp.int4),
@@ -413,6 +547,8 @@ def decode_attention_lowbit_mgpu(
         smem_tile((ng, pp, cols, PAGE), jnp.bfloat16),
         plgpu.SMEM((cols,), f32),
     ]
+    if fold:  # (q⊙scale) of each page of a step, K-major as q_smem
+        scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)] + [plgpu.Barrier(num_barriers=stages)] * 5
@@ -427,11 +563,13 @@ def decode_attention_lowbit_mgpu(
         int4_load=int4_load,
         return_logits=return_logits,
         pages_per_step=pp,
+        fold_keys=fold,
+        offset=offset,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret
     )
-    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, *data)
+    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, qt, *data)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits:  # [B, Hkv, P, 64, N] -> [B, Hkv, G, P·64]

@@ -42,6 +42,12 @@ class Tuning:
         mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
         mgpu_lowbit_pages: 64-token pages a loop step of the Mosaic GPU low-bit kernel reads
             (1 or 2; 2 where the tier's page count is even).
+        mgpu_lowbit_fold_keys: the Mosaic GPU low-bit kernel puts each page's key statistics
+            on q (two [N, D] B operands a page and a dot against a ones tile) instead of
+            dequantizing every key code in registers.
+        mgpu_lowbit_int4_offset: with fold_keys and int4 codes, the low-bit kernel converts
+            codes as code + 136 (a permute and a LOP3 a pair) and takes the offset out through
+            the statistics.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
@@ -66,6 +72,8 @@ class Tuning:
     mgpu_block_k: int = 64
     mgpu_stages: int = 2
     mgpu_lowbit_pages: int = 1
+    mgpu_lowbit_fold_keys: bool = False
+    mgpu_lowbit_int4_offset: bool = False
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
     lowbit_cache_layout: str = "token"

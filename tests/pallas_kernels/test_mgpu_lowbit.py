@@ -94,6 +94,20 @@ class TestMgpuLowbit:
         step's second page unread (one head stops pages early)."""
         self._check(case, native, 3, pages_per_step=2, return_logits=True)
 
+    @pytest.mark.parametrize(
+        "case, native",
+        [(CASES[0], True), (CASES[1], True), (CASES[3], False), (CASES[4], False)],
+        ids=["int4codes-g4", "int2codes-g4", "int2-g3-d64", "int4-g16"],
+    )  # fmt: skip
+    def test_folded_key_statistics_match_float64(self, case, native):
+        """fold_keys=True: each page's key scale on q ((q⊙scale)^T the B operand), the zeros'
+        share a float32 bias per column, the codes unscaled; with logits (they come from the
+        same S) and 3 splits; int4 codes also with int4_offset (codes read as code + 136, the
+        offset taken out through the bias and the value zeros' tile)."""
+        self._check(case, native, 3, fold_keys=True, return_logits=True)
+        if native:
+            self._check(case, native, 3, fold_keys=True, int4_offset=True, return_logits=True)
+
     def _check(self, case, native, splits, **kw):
         seed = _seed(case, splits, self.INTERPRET, native)
         q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
@@ -212,6 +226,11 @@ def test_unsupported_input_gets_one_clear_error():
                        extent=jnp.minimum(tier.extent, 1))  # fmt: skip
     with pytest.raises(ValueError, match="needs as many pages, got 1"):
         run(q, t1, q_pos, bits=4, pages_per_step=2)
+    with pytest.raises(ValueError, match=r"int4_offset=True needs int4 codes.*got uint8"):
+        run(q, tier, q_pos, bits=4, fold_keys=True, int4_offset=True)
+    native = to_channel_major(lowbit, 4, native=True)
+    with pytest.raises(ValueError, match=r"int4_offset=True needs .* fold_keys=False"):
+        run(q, native, q_pos, bits=4, fold_keys=False, int4_offset=True)
     with pytest.raises(ValueError, match=r"v_stats has dtype float32"):
         run(q, tier._replace(v_stats=tier.v_stats.astype(jnp.float32)), q_pos, bits=4)
     q2, qp2, t2, _ = _tiers(case, 2, value_group=32)
@@ -234,7 +253,10 @@ def make_tiers_page(case: Case, seed: int, page: int):
     + [(b, f"int4-{load}", False) for b in (4, 2) for load in INT4_LOADS]
     + [(4, "bytes", True), (4, "int4-auto", True), (2, "int4-upcast2x", True)],
 )
-def test_kernel_lowers_for_h200(bits, codes, logits):
+@pytest.mark.parametrize("fold", ["dequant", "fold", "fold+offset"])
+def test_kernel_lowers_for_h200(bits, codes, logits, fold):
+    if fold == "fold+offset" and not codes.startswith("int4"):
+        pytest.skip("int4_offset needs int4 codes")
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
     load = codes.removeprefix("int4-") if codes.startswith("int4") else "upcast2x"
@@ -261,6 +283,8 @@ def test_kernel_lowers_for_h200(bits, codes, logits):
         num_splits=4,
         int4_load=load,
         return_logits=logits,
+        fold_keys=fold != "dequant",
+        int4_offset=fold == "fold+offset",
     )
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
