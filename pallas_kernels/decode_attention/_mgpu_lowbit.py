@@ -185,6 +185,7 @@ def _kernel(
     pages_per_step: int = 1,
     fold_keys: bool = False,
     offset: bool = False,
+    one_barrier: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -200,7 +201,11 @@ def _kernel(
     else:
         ka_smem = va_smem = None
         bars = stage
-    q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
+    if one_barrier:  # every copy of a stage arrives on one barrier (5 arrivals)
+        q_bar, page_bar = bars
+        k_bar = v_bar = ks_bar = vs_bar = pos_bar = page_bar
+    else:
+        q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     pages_cap = k_ref.shape[3]
@@ -257,7 +262,7 @@ def _kernel(
     def step(i, carry):
         acc, zt, m, l = carry
         slot = lax.rem(i - first, stages)
-        for bar in (pos_bar, ks_bar, k_bar):
+        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
             plgpu.barrier_wait(bar.at[slot])
 
         def fold(j):
@@ -340,7 +345,8 @@ def _kernel(
         # The denominator and the value zeros' share stay [64, N] tiles, their rows summed
         # once after the loop.
         l = functools.reduce(jnp.add, ps, l * corr)
-        plgpu.barrier_wait(vs_bar.at[slot])
+        if not one_barrier:
+            plgpu.barrier_wait(vs_bar.at[slot])
         new_zt = []
         for g in range(ng):
             z = zt[g] * corr
@@ -358,7 +364,8 @@ def _kernel(
                     z = z - float(OFFSET) * pv_.astype(jnp.float32)
             new_zt.append(z)
         plgpu.commit_smem()
-        plgpu.barrier_wait(v_bar.at[slot])
+        if not one_barrier:
+            plgpu.barrier_wait(v_bar.at[slot])
 
         def pv(*o_refs):
             for r, o_ref_ in enumerate(o_refs):
@@ -416,6 +423,7 @@ def _kernel(
         "pages_per_step",
         "fold_keys",
         "int4_offset",
+        "one_barrier",
         "interpret",
     ),
 )
@@ -433,6 +441,7 @@ def decode_attention_lowbit_mgpu(
     pages_per_step: int | None = None,
     fold_keys: bool | None = None,
     int4_offset: bool | None = None,
+    one_barrier: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -463,6 +472,9 @@ def decode_attention_lowbit_mgpu(
             one LOP3 a pair of codes, no subtract) and the offset comes back out through the
             folded key statistics and the value zeros' tile. Needs int4 codes and fold_keys.
             Default: the device's Tuning.mgpu_lowbit_int4_offset where those hold.
+        one_barrier: a stage's five TMA copies (codes, statistics, positions) arrive on one
+            barrier, waited on once a page, instead of one barrier each. Default: the device's
+            Tuning.mgpu_lowbit_one_barrier.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -551,7 +563,11 @@ def decode_attention_lowbit_mgpu(
         scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
-    scratch += [plgpu.Barrier(num_barriers=1)] + [plgpu.Barrier(num_barriers=stages)] * 5
+    scratch += [plgpu.Barrier(num_barriers=1)]
+    if one_barrier:
+        scratch += [plgpu.Barrier(num_arrivals=5, num_barriers=stages)]
+    else:
+        scratch += [plgpu.Barrier(num_barriers=stages)] * 5
     body = functools.partial(
         _kernel,
         bits=bits,
@@ -565,6 +581,7 @@ def decode_attention_lowbit_mgpu(
         pages_per_step=pp,
         fold_keys=fold,
         offset=offset,
+        one_barrier=tune.mgpu_lowbit_one_barrier if one_barrier is None else bool(one_barrier),
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret

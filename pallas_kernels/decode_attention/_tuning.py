@@ -48,6 +48,8 @@ class Tuning:
         mgpu_lowbit_int4_offset: with fold_keys and int4 codes, the low-bit kernel converts
             codes as code + 136 (a permute and a LOP3 a pair) and takes the offset out through
             the statistics.
+        mgpu_lowbit_one_barrier: the low-bit kernel's five TMA copies of a stage arrive on one
+            barrier (one wait a page) instead of five.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
@@ -74,6 +76,7 @@ class Tuning:
     mgpu_lowbit_pages: int = 1
     mgpu_lowbit_fold_keys: bool = False
     mgpu_lowbit_int4_offset: bool = False
+    mgpu_lowbit_one_barrier: bool = False
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
     lowbit_cache_layout: str = "token"
