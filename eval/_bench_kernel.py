@@ -36,6 +36,7 @@ ROWS = (
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
     "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
     "mgpu-int4-codes-auto+logits", "mgpu-int2-codes-auto+logits",
+    "mgpu-tm-bf16", "mgpu-tm-bf16+logits",
 )  # fmt: skip
 
 
@@ -183,10 +184,14 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         kk, vv = jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2)
         return jax.nn.dot_product_attention(q[:, None], kk, vv, scale=scale)[:, 0]
 
-    def ours(logits=False, bits=None, mgpu=False):
+    def ours(logits=False, bits=None, mgpu=False, tm=False):
         def fn(q, knobs, tier):
             knobs = knobs or {}
-            if isinstance(tier, da.PooledTier):
+            if tm:  # slots on the wgmma M axis
+                p = da.decode_attention_mgpu_tm(
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
+                )
+            elif isinstance(tier, da.PooledTier):
                 p = da.decode_attention_pooled_triton(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
@@ -285,6 +290,8 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "mgpu-bf16": full(mgpu=True),
         "mgpu-bf16+logits": full(logits=True, mgpu=True),
         "mgpu-int8": int8_tier(mgpu=True),
+        "mgpu-tm-bf16": full(tm=True),
+        "mgpu-tm-bf16+logits": full(logits=True, tm=True),
     }
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)

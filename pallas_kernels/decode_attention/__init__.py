@@ -2,7 +2,8 @@
 
 `decode_attention` runs every tier through its kernel and combines them; the per-backend kernels
 (`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_mgpu` (Mosaic
-GPU, full and INT8 tiers), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
+GPU, full and INT8 tiers), `decode_attention_mgpu_tm` (Mosaic GPU, bfloat16 slots on the dots'
+M axis), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
 `decode_attention_tpu`, `decode_attention_lowbit_tpu`) and the plain-jnp
 `decode_attention_reference` are public too.
 """
@@ -19,6 +20,7 @@ from kvjax.pallas_kernels.decode_attention._channel_major import to_channel_majo
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
+from kvjax.pallas_kernels.decode_attention._mgpu_tm import decode_attention_mgpu_tm
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
 from kvjax.pallas_kernels.decode_attention._tiers import (
     ChannelMajorLowBitTier,
@@ -55,6 +57,7 @@ __all__ = [
     "decode_attention_lowbit_tpu",
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
+    "decode_attention_mgpu_tm",
     "decode_attention_pooled_triton",
     "decode_attention_reference",
     "decode_attention_tpu",

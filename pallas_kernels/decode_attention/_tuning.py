@@ -50,6 +50,8 @@ class Tuning:
             the statistics.
         mgpu_lowbit_one_barrier: the low-bit kernel's five TMA copies of a stage arrive on one
             barrier (one wait a page) instead of five.
+        mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
+            flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
@@ -77,6 +79,7 @@ class Tuning:
     mgpu_lowbit_fold_keys: bool = False
     mgpu_lowbit_int4_offset: bool = False
     mgpu_lowbit_one_barrier: bool = False
+    mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
     lowbit_cache_layout: str = "token"

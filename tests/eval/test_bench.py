@@ -99,6 +99,7 @@ def test_bench_kernel_rows_bytes_and_errors():
 
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
     rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes", "mgpu-int4-codes-auto+logits")
+    rows += ("mgpu-tm-bf16",)
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -126,6 +127,8 @@ def test_bench_kernel_rows_bytes_and_errors():
     stats = 2 * 2 * (4 * 64 + 64 * 2)
     assert res["pallas-int4"].bytes_read == bf16 // 4 + stats * 2 + 2 * 64 * 4
     assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
+    # The slots-on-M Mosaic GPU kernel reads the full tier: K/V and an int32 position a slot.
+    assert res["mgpu-tm-bf16"].bytes_read == bf16 + 2 * 64 * 4
     # The pool holds the same slots: K/V, then an int32 position and owner id per slot.
     assert res["pallas-bf16-pooled"].bytes_read == bf16 + 2 * (2 * 64 * 4)
     # The Mosaic layouts (one 64-token page, value groups of 64): packed bytes or int4 arrays

@@ -1,0 +1,231 @@
+"""Decode attention over the full-precision (bfloat16) tier with tokens on the wgmma M axis:
+Pallas Mosaic GPU (Hopper, `plgpu`).
+
+The dense counterpart of the low-bit kernel (`_mgpu_lowbit.py`): one CTA (one warpgroup) per
+(sequence, KV head, split) walks its split's 64-slot blocks, and every operand of both dots
+comes from shared memory as TMA wrote it, with no register conversion:
+
+- QK: S [64 slots, N] = K·q^T, the block's keys [64, D] the A operand, q^T (the G query heads
+  zero-padded to N = 8 columns, 16 when G > 8) the B operand.
+- Online softmax along the slot axis (the max the block's one cross-warp reduction, the
+  denominator a [64, N] tile summed after the loop), P stored transposed to shared memory.
+- PV: out^T [D, N] = V^T·P, the block's values read transposed from shared memory (16-bit
+  operands may be MN-major) as the A operand.
+
+Nothing is padded to 64 query rows (the `_mgpu.py` kernels put the query heads on M). Keys,
+values and positions stream by TMA `stages` blocks ahead, each block's three copies arriving on
+one barrier. Needs bfloat16 q, keys and values, D a multiple of 64, G ≤ 16 and a capacity that
+is a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Partials
+from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
+from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+
+Array = jax.Array
+BLOCK = 64  # slots a loop step: the M of a warpgroup dot
+COLS = 16  # most query heads per KV head (the dots' N; 8 when G <= 8)
+_NEG = -1e30
+
+
+def mgpu_tm_applies(tier: FullTier, q: Array) -> str | None:
+    """Why the tokens-on-M Mosaic GPU dense kernel cannot run this (validated) tier (None if
+    it can)."""
+    cap, d = tier.k.shape[2:]
+    if q.dtype != jnp.bfloat16 or tier.k.dtype != jnp.bfloat16:
+        return f"q {q.dtype} and keys {tier.k.dtype} (needs bfloat16 for both)"
+    if d % 64:
+        return f"head dim {d} (needs a multiple of 64)"
+    if q.shape[2] > COLS:
+        return f"{q.shape[2]} query heads per KV head (at most {COLS})"
+    if cap % BLOCK:
+        return f"capacity {cap} (needs a multiple of {BLOCK})"
+    return None
+
+
+def _kernel(
+    extent_ref,  # [B, Hkv] int32
+    qpos_ref,  # [B] int32
+    q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
+    k_ref,  # [B, Hkv, C, D] bf16
+    v_ref,  # [B, Hkv, C, D] bf16
+    pos_ref,  # [B, Hkv, C] int32
+    o_ref,  # [B, Hkv, S, D, N] f32: out^T
+    lse_ref,  # [B, Hkv, S, N] f32
+    *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D];
+    # k_smem, v_smem [stages, 64, D]; pos_smem [stages, 64] int32; p_smem [N, 64] bf16 (P^T,
+    # K-major for the PV dot); lse_smem [N] f32; the barriers (q; one per stage)
+    scale: float,
+    stages: int,
+    num_splits: int,
+    return_logits: bool,
+):
+    logits_ref = refs[0] if return_logits else None
+    q_smem, k_smem, v_smem, pos_smem, p_smem, lse_smem, q_bar, bars = refs[
+        1 if return_logits else 0 :
+    ]
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    cap = k_ref.shape[2]
+    cols, d = q_ref.shape[2:]
+    extent = jnp.minimum(extent_ref[b, h], cap)
+    qpos = qpos_ref[b]
+    blocks = lax.div(extent + BLOCK - 1, BLOCK)
+    per = lax.div(blocks + num_splits - 1, num_splits)
+    first = split * per
+    last = jnp.minimum(first + per, blocks)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
+    row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+
+    def issue(i, slot, when):
+        @pl.when(when)
+        def _():
+            blk = pl.ds(i * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, h, blk], k_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, h, blk], v_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b, h, blk], pos_smem.at[slot], bars.at[slot])
+
+    for j in range(stages):
+        issue(first + j, j, first + j < last)
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i - first, stages)
+        plgpu.barrier_wait(bars.at[slot])
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.T)
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, cols), jnp.float32))
+        pos = plgpu.load(pos_smem.at[slot], layout=row, optimized=True)
+        idx = i * BLOCK + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+        seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
+        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s * scale, -jnp.inf)
+        if logits_ref is not None:  # the block's scaled logits, [64 slots, N]
+            logits_ref[b, h, pl.ds(i * BLOCK, BLOCK)] = s
+        m_new = jnp.maximum(m, s.max(axis=0))
+        corr = lax.broadcast_in_dim(jnp.exp(m - m_new), s.shape, [1])
+        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+        l = l * corr + p
+        p_smem.T[...] = p.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+
+        def pv(o_ref_):
+            plgpu.wgmma(o_ref_, v_smem.at[slot].T, p_smem.T)
+            return o_ref_[...]
+
+        part = pl.run_scoped(pv, plgpu.ACC((d, cols), jnp.float32))
+        # The block is read (by the dots and the position load): refill its slot.
+        plgpu.commit_smem()
+        issue(i + stages, slot, i + stages < last)
+        corr_d = lax.broadcast_in_dim(jnp.exp(m - m_new), part.shape, [1])
+        return acc * corr_d + part, m_new, l
+
+    init = (
+        plgpu.layout_cast(jnp.zeros((d, cols), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((cols,), _NEG, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros((BLOCK, cols), jnp.float32), plgpu.Layout.WGMMA),
+    )
+    acc, m, l = lax.fori_loop(first, last, step, init)
+    l = l.sum(axis=0)
+    has = l > 0
+    safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), (d, cols), [1])
+    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    o_ref[b, h, split] = acc / safe
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "num_splits", "stages", "return_logits", "interpret")
+)
+def decode_attention_mgpu_tm(
+    q: Array,
+    tier: FullTier,
+    q_pos: Array,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    stages: int | None = None,
+    return_logits: bool = False,
+    interpret: bool = False,
+) -> Partials:
+    """One decode query per sequence attending a bfloat16 full tier (Mosaic GPU, slots on M).
+
+    Args:
+        q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
+        tier: FullTier of bfloat16 keys and values, capacity a multiple of 64.
+        q_pos: [B] int32 query positions.
+        scale: logit scale.
+        num_splits: splits per (sequence, KV head); default fills the chip.
+        stages: blocks in flight (TMA copies ahead of the dots); default from the Tuning.
+        return_logits: also return the scaled logits of every slot, [B, Hkv, G, C] (slots at
+            or past the extent undefined, as the other kernels').
+        interpret: run in the Mosaic GPU interpreter (CPU tests).
+
+    Returns:
+        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and, with return_logits,
+        logits [B, Hkv, G, C].
+    """
+    check_query(q, q_pos)
+    check_dense(tier, q)
+    why = mgpu_tm_applies(tier, q)
+    if why:
+        raise ValueError(f"decode attention (Mosaic GPU, slots on M): unsupported {why}")
+    b, hkv, group, d = q.shape
+    cap = tier.k.shape[2]
+    tune = tuning_for()
+    blocks = cap // BLOCK
+    stages = max(1, min(stages or tune.mgpu_tm_stages, blocks))
+    splits = num_splits or _num_splits(b, hkv, blocks, tune.mgpu_target_programs)
+    cols = 8 if group <= 8 else COLS
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
+    f32 = jnp.float32
+    out_type = [
+        jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
+        jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
+    ]
+    if return_logits:
+        out_type.append(jax.ShapeDtypeStruct((b, hkv, cap, cols), f32))
+    scratch = [
+        smem_tile((cols, d), jnp.bfloat16),
+        smem_tile((stages, BLOCK, d), jnp.bfloat16),
+        smem_tile((stages, BLOCK, d), jnp.bfloat16),
+        plgpu.SMEM((stages, BLOCK), jnp.int32),
+        smem_tile((cols, BLOCK), jnp.bfloat16),
+        plgpu.SMEM((cols,), f32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+    ]
+    body = functools.partial(
+        _kernel,
+        scale=scale,
+        stages=stages,
+        num_splits=splits,
+        return_logits=return_logits,
+    )
+    launch = decode_grid(
+        body, out_type, scratch, (b, hkv, splits), "kvjax_decode_bf16_mgpu_tm", interpret
+    )
+    o, lse, *lg = launch(tier.extent, q_pos, qp, tier.k, tier.v, tier.pos)
+    out = jnp.swapaxes(o, -1, -2)[..., :group, :]
+    logits = None
+    if return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]
+        logits = jnp.swapaxes(lg[0][..., :group], -1, -2)
+    return Partials(out, lse[..., :group], logits)

@@ -1,0 +1,121 @@
+"""The Mosaic GPU dense kernel with slots on the wgmma M axis (`decode_attention_mgpu_tm`)
+against the float64 oracle, compiled on a GPU and interpreted on CPU, lowered for an H200, and
+its input checks.
+
+Slots have holes, one head's extent stops inside a block, sequence 1 has half its positions in
+its future (the `decode_cases` tiers).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_cases import Case, make_tiers, oracle
+
+from kvjax.eval._kernel_ir import H200
+from kvjax.pallas_kernels.decode_attention import FullTier, combine, decode_attention_mgpu_tm
+
+TOL = 1e-2  # bfloat16 operands
+
+CASES = [
+    Case(dtype="bfloat16", tiers="fp", ratio=4, head_dim=128, cap=256),
+    Case(dtype="bfloat16", tiers="fp", ratio=1, head_dim=64, cap=192),
+    Case(dtype="bfloat16", tiers="fp", ratio=3, head_dim=128, cap=128),
+    Case(dtype="bfloat16", tiers="fp", ratio=16, head_dim=64, cap=256, kv_heads=1),
+]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _ids(x):
+    return f"g{x.ratio}-d{x.head_dim}-c{x.cap}" if isinstance(x, Case) else str(x)
+
+
+class TestMgpuTm:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("compiled Mosaic GPU kernels need a GPU; the Interpret class covers CPU")
+
+    @pytest.mark.parametrize("splits", [1, 3])
+    @pytest.mark.parametrize("case", CASES, ids=_ids)
+    def test_matches_float64(self, case, splits):
+        q, q_pos, full, _, _ = make_tiers(case, _seed(case, splits, self.INTERPRET))
+        scale = q.shape[-1] ** -0.5
+        logits = splits == 3  # with and without
+        res = decode_attention_mgpu_tm(
+            q, full, q_pos, scale=scale, num_splits=splits, stages=2, return_logits=logits,
+            interpret=self.INTERPRET,
+        )  # fmt: skip
+        out, lse = combine([res])
+        want, want_lse, want_logits, seen = oracle(q, q_pos, full, None, None, 2, scale)
+        got = np.asarray(out, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
+        np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
+        if logits:
+            vis = np.broadcast_to(seen[0][:, :, None, :], want_logits[0].shape)
+            got_l = np.asarray(res.logits, np.float64)
+            np.testing.assert_allclose(got_l[vis], want_logits[0][vis], atol=0.05, rtol=0.02)
+            cap = got_l.shape[-1]
+            inside = np.arange(cap) < np.asarray(full.extent)[:, :, None, None]  # [B, Hkv, 1, C]
+            hidden = ~vis & np.broadcast_to(inside, vis.shape)  # read, but not attended
+            assert hidden.any() and np.all(got_l[hidden] == -np.inf)
+        else:
+            assert res.logits is None
+
+    def test_nothing_visible_gives_zero_and_minus_inf(self):
+        q, q_pos, full, _, _ = make_tiers(CASES[0], _seed("empty", self.INTERPRET))
+        full = full._replace(pos=jnp.full_like(full.pos, -1))
+        res = decode_attention_mgpu_tm(
+            q, full, q_pos, scale=0.1, num_splits=2, interpret=self.INTERPRET
+        )
+        out, lse = combine([res])
+        assert np.all(np.asarray(out) == 0)
+        assert np.all(np.asarray(lse) == -np.inf)
+
+
+class TestMgpuTmInterpret(TestMgpuTm):
+    INTERPRET = True
+
+
+def test_unsupported_input_gets_one_clear_error():
+    q, q_pos, full, _, _ = make_tiers(CASES[0], 1)
+    run = functools.partial(decode_attention_mgpu_tm, scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="needs bfloat16"):
+        run(q.astype(jnp.float16), full._replace(k=full.k.astype(jnp.float16),
+            v=full.v.astype(jnp.float16)), q_pos)  # fmt: skip
+    with pytest.raises(ValueError, match="capacity 200"):
+        cut = lambda a: a[:, :, :200]
+        run(q, full._replace(k=cut(full.k), v=cut(full.v), pos=cut(full.pos)), q_pos)
+    with pytest.raises(ValueError, match="must be a FullTier"):
+        run(q, (full.k, full.v), q_pos)
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        q17 = jnp.concatenate([q] * 5, axis=2)[:, :, :17]
+        run(q17, full, q_pos)
+    q48, qp48, f48, _, _ = make_tiers(Case("bfloat16", "fp", 4, 48, cap=128), 2)
+    with pytest.raises(ValueError, match="head dim 48"):
+        run(q48, f48, qp48)
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_kernel_lowers_for_h200(logits):
+    b, hkv, g, d, cap = 2, 8, 4, 128, 1024
+    sds = jax.ShapeDtypeStruct
+    kv = sds((b, hkv, cap, d), jnp.bfloat16)
+    tier = FullTier(kv, kv, sds((b, hkv, cap), jnp.int32), sds((b, hkv), jnp.int32))
+    fn = functools.partial(decode_attention_mgpu_tm, scale=0.1, num_splits=4, return_logits=logits)
+    with jax.sharding.use_abstract_mesh(H200):
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(
+            sds((b, hkv, g, d), jnp.bfloat16), tier, sds((b,), jnp.int32)
+        )
+    assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
