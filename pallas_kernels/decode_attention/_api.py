@@ -182,7 +182,8 @@ def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:
 def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, **kw):
     """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
     device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton (always
-    for a stacked tier, `layer`)."""
+    for a stacked tier, `layer`). "full-tm" in the Tuning's mgpu_tiers runs a bfloat16 full
+    tier through the slots-on-M kernel (`decode_attention_mgpu_tm`) first."""
     from kvjax.pallas_kernels.decode_attention import _mgpu
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
@@ -192,6 +193,11 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     check_dense(tier, q)
     tune = tuning_for()
     name = "int8" if isinstance(tier, Int8Tier) else "full"
+    if name == "full" and "full-tm" in tune.mgpu_tiers:  # slots on M, where it applies
+        from kvjax.pallas_kernels.decode_attention import _mgpu_tm
+
+        if _mgpu_tm.mgpu_tm_applies(tier, q) is None:
+            return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, **kw)
     wanted = backend == "mosaic" or name in tune.mgpu_tiers
     if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
         return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)

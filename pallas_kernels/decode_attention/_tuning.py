@@ -58,6 +58,8 @@ class Tuning:
             own layout faster than the Triton kernel reads the token-major one.
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
             Mosaic GPU kernels on this device (measured faster there); others use Triton.
+            "full-tm": a bfloat16 full tier runs the slots-on-M Mosaic GPU kernel
+            (`decode_attention_mgpu_tm`) where it applies.
     """
 
     block_k: int = 64

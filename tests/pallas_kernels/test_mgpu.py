@@ -143,7 +143,7 @@ def _kernels_traced(backend: str, block_k: int) -> list[str]:
         ).out  # fmt: skip
 
     text = str(jax.make_jaxpr(f)(q))
-    names = ("kvjax_decode_full_mgpu", "kvjax_decode_int8_mgpu")
+    names = ("kvjax_decode_full_mgpu", "kvjax_decode_int8_mgpu", "kvjax_decode_bf16_mgpu_tm")
     return [n for n in names if n in text]
 
 
@@ -152,6 +152,10 @@ def test_dispatch_picks_mosaic_where_it_applies_and_triton_elsewhere(monkeypatch
     assert _kernels_traced("mosaic", 64) == ["kvjax_decode_full_mgpu"]
     assert _kernels_traced("mosaic", 16) == []  # block_k 16: no Mosaic GPU block
     kind = jax.devices()[0].device_kind
-    for tiers, want in [((), []), (("full",), ["kvjax_decode_full_mgpu"])]:
+    for tiers, want in [
+        ((), []),
+        (("full",), ["kvjax_decode_full_mgpu"]),
+        (("full-tm",), ["kvjax_decode_bf16_mgpu_tm"]),  # the slots-on-M kernel
+    ]:
         monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=tiers))
         assert _kernels_traced("triton", 64) == want  # the device's Tuning decides
