@@ -36,7 +36,7 @@ ROWS = (
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
     "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
     "mgpu-int4-codes-auto+logits", "mgpu-int2-codes-auto+logits",
-    "mgpu-tm-bf16", "mgpu-tm-bf16+logits",
+    "mgpu-tm-bf16", "mgpu-tm-bf16+logits", "pallas-bf16-join", "mgpu-tm-bf16-join",
 )  # fmt: skip
 
 
@@ -184,7 +184,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         kk, vv = jnp.swapaxes(kd, 1, 2), jnp.swapaxes(vd, 1, 2)
         return jax.nn.dot_product_attention(q[:, None], kk, vv, scale=scale)[:, 0]
 
-    def ours(logits=False, bits=None, mgpu=False, tm=False):
+    # a decode step's own key and value (the `-join` rows merge them with the partials)
+    new_kv = jax.random.normal(ks[2], (2, b, hkv, d), jnp.bfloat16)
+
+    def ours(logits=False, bits=None, mgpu=False, tm=False, join=False):
         def fn(q, knobs, tier):
             knobs = knobs or {}
             if tm:  # slots on the wgmma M axis
@@ -207,6 +210,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
                 p = da.decode_attention_lowbit_triton(
                     grouped(q), tier, q_pos, bits=bits, scale=scale, **knobs
                 )
+            if join:  # the partials and a new token in one launch, as a decode step merges them
+                valid = jnp.ones((b,), bool)
+                o, _, _ = da.join_new_token([p], grouped(q), *new_kv, valid, scale=scale)
+                return out(o)
             return out(da.combine([p])[0])
 
         return fn
@@ -292,6 +299,8 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "mgpu-int8": int8_tier(mgpu=True),
         "mgpu-tm-bf16": full(tm=True),
         "mgpu-tm-bf16+logits": full(logits=True, tm=True),
+        "pallas-bf16-join": full(join=True),
+        "mgpu-tm-bf16-join": full(tm=True, join=True),
     }
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)

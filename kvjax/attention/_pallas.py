@@ -29,8 +29,11 @@ from kvjax.pallas_kernels.decode_attention import (
     PooledTier,
     attention_mass,
     combine,
-    decode_attention,
+    decode_partials,
     default_backend,
+    join_applies,
+    join_new_token,
+    tuning_for,
 )
 from kvjax.sharding import Axis, Layout, Names, layer_names
 
@@ -117,7 +120,7 @@ def attend_pallas(
             lowbit = LowBitTier(
                 src.k, src.v, src.k_scale, src.k_zero, src.v_scale, src.v_zero, src.pos, extent
             )
-    res = decode_attention(
+    parts = decode_partials(
         qg,
         qp,
         full=full,
@@ -130,19 +133,32 @@ def attend_pallas(
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
         layer=stacked.index if stacked is not None else None,
     )
-    if seq_axis is not None:
-        gather = lambda x: jax.lax.all_gather(x, seq_axis, axis=2)  # [B, Hkv, S, G(, D)]
-        out_all, lse_all = combine([Partials(gather(res.out), gather(res.lse), None)])
-        res = res._replace(out=out_all, lse=lse_all)
-    # The step's own token joins with a log-sum-exp combine.
-    s_new = einsum_f32("bhgd,bhd->bhg", qg, k_new[:, 0]) * scale  # [B, Hkv, G]
-    s_new = jnp.where(new_valid[:, :1, None], s_new, -jnp.inf)
-    lse = jnp.logaddexp(res.lse, s_new)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w_cache = jnp.exp(res.lse - safe)[..., None]
-    w_new = jnp.exp(s_new - safe)  # [B, Hkv, G]
-    v1 = v_new[:, 0].astype(jnp.float32)[:, :, None, :]  # [B, Hkv, 1, D]
-    out = w_cache * res.out + w_new[..., None] * v1
+    logits = tuple(p.logits for p in parts) if need_mass else ()
+    joined = (
+        seq_axis is None
+        and backend != "tpu"
+        and tuning_for().join_new_token
+        and (backend is None or join_applies(qg) is None)
+    )
+    if joined:  # the partials and the step's own token merged in one launch
+        out, lse, w_new = join_new_token(
+            parts, qg, k_new[:, 0], v_new[:, 0], new_valid[:, 0], scale=scale,
+            interpret=backend is None,
+        )  # fmt: skip
+    else:
+        res_out, res_lse = combine(parts)
+        if seq_axis is not None:
+            gather = lambda x: jax.lax.all_gather(x, seq_axis, axis=2)  # [B, Hkv, S, G(, D)]
+            res_out, res_lse = combine([Partials(gather(res_out), gather(res_lse), None)])
+        # The step's own token joins with a log-sum-exp combine.
+        s_new = einsum_f32("bhgd,bhd->bhg", qg, k_new[:, 0]) * scale  # [B, Hkv, G]
+        s_new = jnp.where(new_valid[:, :1, None], s_new, -jnp.inf)
+        lse = jnp.logaddexp(res_lse, s_new)
+        safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        w_cache = jnp.exp(res_lse - safe)[..., None]
+        w_new = jnp.exp(s_new - safe)  # [B, Hkv, G]
+        v1 = v_new[:, 0].astype(jnp.float32)[:, :, None, :]  # [B, Hkv, 1, D]
+        out = w_cache * res_out + w_new[..., None] * v1
     w = query_weight[:, 0].astype(jnp.float32)
     tier_pos = [layer.pos]
     tier_pos += [layer.int8.pos] if int8 is not None else []
@@ -150,7 +166,7 @@ def attend_pallas(
     if need_mass:
         masses = [
             attention_mass(logits, lse, _visible(pos.reshape(b, pos.shape[1], -1), qp), w)
-            for logits, pos in zip(res.logits, tier_pos, strict=True)
+            for logits, pos in zip(logits, tier_pos, strict=True)
         ]
     else:
         masses = [jnp.zeros((b, pos.shape[1], pos[0, 0].size), jnp.float32) for pos in tier_pos]

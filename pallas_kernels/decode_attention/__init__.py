@@ -4,7 +4,9 @@
 (`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_mgpu` (Mosaic
 GPU, full and INT8 tiers), `decode_attention_mgpu_tm` (Mosaic GPU, bfloat16 slots on the dots'
 M axis), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
-`decode_attention_tpu`, `decode_attention_lowbit_tpu`) and the plain-jnp
+`decode_attention_tpu`, `decode_attention_lowbit_tpu`), `decode_partials` (the tiers' split
+partials uncombined), `join_new_token` (those partials and a decode step's own token merged in
+one launch) and the plain-jnp
 `decode_attention_reference` are public too.
 """
 
@@ -13,11 +15,13 @@ from kvjax.pallas_kernels.decode_attention._api import (
     Backend,
     DecodeResult,
     decode_attention,
+    decode_partials,
     default_backend,
 )
 from kvjax.pallas_kernels.decode_attention._channel_major import PAGE as MGPU_LOWBIT_PAGE
 from kvjax.pallas_kernels.decode_attention._channel_major import to_channel_major
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
+from kvjax.pallas_kernels.decode_attention._join import join_applies, join_new_token
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_tm import decode_attention_mgpu_tm
@@ -62,7 +66,10 @@ __all__ = [
     "decode_attention_reference",
     "decode_attention_tpu",
     "decode_attention_triton",
+    "decode_partials",
     "default_backend",
+    "join_applies",
+    "join_new_token",
     "to_channel_major",
     "tuning_for",
 ]

@@ -13,6 +13,7 @@ from kvjax.pallas_kernels.decode_attention._tiers import (
     FullTier,
     Int8Tier,
     LowBitTier,
+    Partials,
     PooledTier,
 )
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
@@ -57,7 +58,36 @@ def decode_attention(
     num_splits: int | None = None,
     layer: Array | None = None,
 ) -> DecodeResult:
-    """One decode query per sequence attending a layer's full, INT8 and low-bit tiers.
+    """One decode query per sequence attending a layer's full, INT8 and low-bit tiers
+    (`decode_partials`, then their log-sum-exp `combine`)."""
+    parts = decode_partials(
+        q, q_pos, full=full, int8=int8, lowbit=lowbit, bits=bits, scale=scale, backend=backend,
+        return_logits=return_logits, interpret=interpret, block_k=block_k,
+        num_splits=num_splits, layer=layer,
+    )  # fmt: skip
+    out, lse = combine(parts)
+    logits = tuple(p.logits for p in parts) if return_logits else ()
+    return DecodeResult(out, lse, logits)
+
+
+def decode_partials(
+    q: Array,
+    q_pos: Array,
+    *,
+    full: FullTier | PooledTier,
+    int8: Int8Tier | None = None,
+    lowbit: LowBitTier | ChannelMajorLowBitTier | None = None,
+    bits: int = 2,
+    scale: float,
+    backend: Backend = "triton",
+    return_logits: bool = False,
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    layer: Array | None = None,
+) -> list[Partials]:
+    """Each tier's split partials (full, then INT8, then low-bit), not yet combined: what
+    `decode_attention` combines, and what `join_new_token` merges with a step's own token.
 
     Each tier runs its own kernel (split-K over its live blocks); the partials are combined with
     a log-sum-exp. Args are as in `decode_attention_reference`, plus:
@@ -111,8 +141,7 @@ def decode_attention(
             q, full, q_pos, scale=scale, block_k=block_k, num_splits=num_splits,
             return_logits=return_logits, interpret=interpret,
         )  # fmt: skip
-        out, lse = combine([part])
-        return DecodeResult(out, lse, (part.logits,) if return_logits else ())
+        return [part]
     if backend in ("triton", "mosaic"):
         from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton as dense
         from kvjax.pallas_kernels.decode_attention._triton_lowbit import (
@@ -165,9 +194,7 @@ def decode_attention(
             else:
                 paged["layer"] = layer  # read in place
         parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
-    out, lse = combine(parts)
-    logits = tuple(p.logits for p in parts) if return_logits else ()
-    return DecodeResult(out, lse, logits)
+    return parts
 
 
 def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:

@@ -56,6 +56,8 @@ class Tuning:
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
             own layout faster than the Triton kernel reads the token-major one.
+        join_new_token: a decode step merges its tiers' split partials and its own token in
+            one kernel launch (`join_new_token`) where it applies, instead of XLA's fusions.
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
             Mosaic GPU kernels on this device (measured faster there); others use Triton.
             "full-tm": a bfloat16 full tier runs the slots-on-M Mosaic GPU kernel
@@ -84,6 +86,7 @@ class Tuning:
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
+    join_new_token: bool = False
     lowbit_cache_layout: str = "token"
 
 

@@ -3,6 +3,9 @@ generate / teacher-forced scoring through every kind of cache tier (CPU: the int
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from kvjax import quant
 from kvjax.attention import attend, resolve_implementation
 from kvjax.cache import Int8Tier, LayerCache, LowBitTier
 from kvjax.generate import GenerateConfig, generate, score_tokens
+from kvjax.pallas_kernels.decode_attention import TUNINGS, tuning_for
 
 
 def _layer(seed: int, b=2, h=2, c=21, cq=19, pages=3, page=4, d=16, bits=2) -> LayerCache:
@@ -42,9 +46,14 @@ def _layer(seed: int, b=2, h=2, c=21, cq=19, pages=3, page=4, d=16, bits=2) -> L
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["xla-join", "join-kernel"])
 @pytest.mark.parametrize("tiers", ["fp", "fp+int8", "fp+int8+lowbit"])
 @pytest.mark.parametrize("ratio", [1, 3])
-def test_pallas_equals_xla_with_stats(tiers, ratio):
+def test_pallas_equals_xla_with_stats(tiers, ratio, joined, monkeypatch):
+    """joined: the tiers' partials and the new token merged by `join_new_token` (the Tuning's
+    join_new_token), else by XLA."""
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), join_new_token=joined))
     layer = _layer(ratio * 7 + len(tiers))
     if "lowbit" not in tiers:
         layer = layer.replace(lowbit=None)
@@ -56,7 +65,7 @@ def test_pallas_equals_xla_with_stats(tiers, ratio):
     k_new = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
     v_new = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
     q_pos = jnp.array([[40], [55]], jnp.int32)  # some slots (pos up to 49) are in the future
-    valid = jnp.array([[True], [True]])
+    valid = jnp.array([[True], [ratio == 1]])  # a padding (invalid) new token at ratio 3
     weight = jnp.array([[1.0], [0.5]], jnp.float32)
     args = (q, layer, k_new, v_new, q_pos, valid)
     want_out, want = attend(*args, query_weight=weight, implementation="xla")
