@@ -8,6 +8,7 @@ splits that B·Hkv·S programs fill the chip (`target_programs`), never more tha
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -129,11 +130,44 @@ TUNINGS: dict[str, Tuning] = {
 }
 
 
+ENV = "KVJAX_TUNING"  # field=value[,field=value...]: overrides for A/B runs (e.g. join_new_token=1)
+
+
+def _overrides(text: str, base: Tuning) -> Tuning:
+    """`base` with the fields of "field=value,..." replaced (ints, 0/1 for booleans, tuples
+    of names or ints as a+b+c); one clear error names an unknown field or a bad value."""
+    fields = {f.name: f for f in dataclasses.fields(Tuning)}
+    changes = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"{ENV}: {item!r} is not field=value, field one of {sorted(fields)}")
+        current = getattr(base, name)
+        try:
+            if isinstance(current, bool):
+                if value not in ("0", "1"):
+                    raise ValueError
+                changes[name] = value == "1"
+            elif isinstance(current, int):
+                changes[name] = int(value)
+            elif isinstance(current, tuple):
+                parts = [p for p in value.split("+") if p]
+                changes[name] = tuple(int(p) if p.isdigit() else p for p in parts)
+            else:
+                changes[name] = value
+        except ValueError:
+            raise ValueError(f"{ENV}: bad value {value!r} for {name} (now {current!r})") from None
+    return dataclasses.replace(base, **changes)
+
+
 def tuning_for(device_kind: str | None = None) -> Tuning:
-    """The tuning of `device_kind` (default: the first device's), else DEFAULT."""
+    """The tuning of `device_kind` (default: the first device's), else DEFAULT; with the
+    environment variable KVJAX_TUNING="field=value,..." overriding fields (A/B runs)."""
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
-    return TUNINGS.get(device_kind, DEFAULT)
+    base = TUNINGS.get(device_kind, DEFAULT)
+    text = os.environ.get(ENV, "")
+    return _overrides(text, base) if text else base
 
 
 def num_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: int) -> int:

@@ -122,3 +122,18 @@ def test_join_compiled_matches_float64():
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(w_new), want_w, atol=1e-5)
+
+
+def test_tuning_overrides_from_the_environment(monkeypatch):
+    from kvjax.pallas_kernels.decode_attention import tuning_for
+
+    base = tuning_for()
+    monkeypatch.setenv("KVJAX_TUNING", "join_new_token=1, mgpu_tiers=full-tm+int8,mgpu_stages=3")
+    t = tuning_for()
+    assert t.join_new_token and t.mgpu_tiers == ("full-tm", "int8") and t.mgpu_stages == 3
+    assert t.block_k == base.block_k  # the rest as tuned
+    for bad, what in [("nope=1", "nope=1"), ("join_new_token=yes", "bad value 'yes'"),
+                      ("mgpu_stages", "not field=value")]:  # fmt: skip
+        monkeypatch.setenv("KVJAX_TUNING", bad)
+        with pytest.raises(ValueError, match=f"KVJAX_TUNING: .*{what}"):
+            tuning_for()
