@@ -210,21 +210,26 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
     device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton (always
     for a stacked tier, `layer`). "full-tm" in the Tuning's mgpu_tiers runs a bfloat16 full
-    tier through the slots-on-M kernel (`decode_attention_mgpu_tm`) first."""
+    tier, one layer or a stack read in place, through the slots-on-M kernel
+    (`decode_attention_mgpu_tm`) first."""
     from kvjax.pallas_kernels.decode_attention import _mgpu
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
+    tune = tuning_for()
+    if isinstance(tier, FullTier) and "full-tm" in tune.mgpu_tiers:  # slots on M, if it fits
+        from kvjax.pallas_kernels.decode_attention import _mgpu_tm
+        from kvjax.pallas_kernels.decode_attention._validate import layer_view
+
+        check_query(q, q_pos)
+        view = tier if layer is None else layer_view(tier, layer)
+        check_dense(view, q)
+        if _mgpu_tm.mgpu_tm_applies(view, q) is None:
+            return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
     if layer is not None:
         return triton_fn(q, tier, q_pos, layer, block_k=block_k, **kw)
     check_query(q, q_pos)
     check_dense(tier, q)
-    tune = tuning_for()
     name = "int8" if isinstance(tier, Int8Tier) else "full"
-    if name == "full" and "full-tm" in tune.mgpu_tiers:  # slots on M, where it applies
-        from kvjax.pallas_kernels.decode_attention import _mgpu_tm
-
-        if _mgpu_tm.mgpu_tm_applies(tier, q) is None:
-            return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, **kw)
     wanted = backend == "mosaic" or name in tune.mgpu_tiers
     if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
         return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)

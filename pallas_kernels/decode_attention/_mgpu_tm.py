@@ -32,7 +32,7 @@ from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query, layer_view
 
 Array = jax.Array
 BLOCK = 64  # slots a loop step: the M of a warpgroup dot
@@ -56,12 +56,13 @@ def mgpu_tm_applies(tier: FullTier, q: Array) -> str | None:
 
 
 def _kernel(
+    layer_ref,  # [1] int32: the layer of the stacked arrays below (0 for one layer)
     extent_ref,  # [B, Hkv] int32
     qpos_ref,  # [B] int32
     q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
-    k_ref,  # [B, Hkv, C, D] bf16
-    v_ref,  # [B, Hkv, C, D] bf16
-    pos_ref,  # [B, Hkv, C] int32
+    k_ref,  # [L, B, Hkv, C, D] bf16 (L layers: a stacked cache's, or 1)
+    v_ref,  # [L, B, Hkv, C, D] bf16
+    pos_ref,  # [L, B, Hkv, C] int32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D];
@@ -77,7 +78,8 @@ def _kernel(
         1 if return_logits else 0 :
     ]
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    cap = k_ref.shape[2]
+    lay = layer_ref[0]
+    cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
     extent = jnp.minimum(extent_ref[b, h], cap)
     qpos = qpos_ref[b]
@@ -94,9 +96,10 @@ def _kernel(
         @pl.when(when)
         def _():
             blk = pl.ds(i * BLOCK, BLOCK)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, h, blk], k_smem.at[slot], bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, h, blk], v_smem.at[slot], bars.at[slot])
-            plgpu.copy_gmem_to_smem(pos_ref.at[b, h, blk], pos_smem.at[slot], bars.at[slot])
+            at = (lay, b, h, blk)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(pos_ref.at[at], pos_smem.at[slot], bars.at[slot])
 
     for j in range(stages):
         issue(first + j, j, first + j < last)
@@ -165,6 +168,7 @@ def decode_attention_mgpu_tm(
     stages: int | None = None,
     return_logits: bool = False,
     interpret: bool = False,
+    layer: Array | None = None,
 ) -> Partials:
     """One decode query per sequence attending a bfloat16 full tier (Mosaic GPU, slots on M).
 
@@ -178,18 +182,32 @@ def decode_attention_mgpu_tm(
         return_logits: also return the scaled logits of every slot, [B, Hkv, G, C] (slots at
             or past the extent undefined, as the other kernels').
         interpret: run in the Mosaic GPU interpreter (CPU tests).
+        layer: None, or an int32 scalar: the tier's k, v and pos are then stacks [L, ...] of a
+            stacked cache, read at this layer in place (no slice of the stack is copied);
+            `extent` is the layer's own [B, Hkv].
 
     Returns:
         Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] and, with return_logits,
         logits [B, Hkv, G, C].
     """
     check_query(q, q_pos)
-    check_dense(tier, q)
-    why = mgpu_tm_applies(tier, q)
+    if not isinstance(tier, FullTier):
+        check_dense(tier, q)  # raises: names what was given
+        raise ValueError(f"decode attention (Mosaic GPU, slots on M): needs a FullTier, got "
+                         f"{type(tier).__name__}")  # fmt: skip
+    data = (tier.k, tier.v, tier.pos)
+    if layer is not None:  # checked as one layer of the stack
+        view = layer_view(tier, layer)
+        lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    else:
+        view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis
+        lay = jnp.zeros((1,), jnp.int32)
+    check_dense(view, q)
+    why = mgpu_tm_applies(view, q)
     if why:
         raise ValueError(f"decode attention (Mosaic GPU, slots on M): unsupported {why}")
     b, hkv, group, d = q.shape
-    cap = tier.k.shape[2]
+    cap = view.k.shape[2]
     tune = tuning_for()
     blocks = cap // BLOCK
     stages = max(1, min(stages or tune.mgpu_tm_stages, blocks))
@@ -223,7 +241,7 @@ def decode_attention_mgpu_tm(
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), "kvjax_decode_bf16_mgpu_tm", interpret
     )
-    o, lse, *lg = launch(tier.extent, q_pos, qp, tier.k, tier.v, tier.pos)
+    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, *data)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]

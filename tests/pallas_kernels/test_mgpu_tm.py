@@ -73,6 +73,23 @@ class TestMgpuTm:
         else:
             assert res.logits is None
 
+    def test_a_stacked_layer_read_in_place_equals_its_slice(self):
+        """layer=: k, v, pos stacks [L, ...] read at the layer in place (its own extent)."""
+        case = CASES[0]
+        layers = [make_tiers(case, _seed("stack", i, self.INTERPRET)) for i in range(3)]
+        q, q_pos = layers[0][0], layers[0][1]
+        tiers = [t[2] for t in layers]
+        stack = FullTier(*(jnp.stack([getattr(t, f) for t in tiers]) for f in ("k", "v", "pos")),
+                         tiers[1].extent)  # fmt: skip
+        run = functools.partial(
+            decode_attention_mgpu_tm, scale=0.1, num_splits=2, stages=2, return_logits=True,
+            interpret=self.INTERPRET,
+        )  # fmt: skip
+        got = run(q, stack, q_pos, layer=jnp.int32(1))
+        want = run(q, tiers[1], q_pos)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
     def test_nothing_visible_gives_zero_and_minus_inf(self):
         q, q_pos, full, _, _ = make_tiers(CASES[0], _seed("empty", self.INTERPRET))
         full = full._replace(pos=jnp.full_like(full.pos, -1))
@@ -105,6 +122,10 @@ def test_unsupported_input_gets_one_clear_error():
     q48, qp48, f48, _, _ = make_tiers(Case("bfloat16", "fp", 4, 48, cap=128), 2)
     with pytest.raises(ValueError, match="head dim 48"):
         run(q48, f48, qp48)
+    with pytest.raises(ValueError, match="pos must be \\[B, Hkv, C\\], got \\(2, 256\\)"):
+        run(q, full, q_pos, layer=jnp.int32(0))  # a layer, not a stack: its views lack an axis
+    with pytest.raises(ValueError, match="one leading \\[L\\] axis"):
+        run(q, full._replace(pos=full.pos[None]), q_pos, layer=jnp.int32(0))  # k, v not stacked
 
 
 @pytest.mark.parametrize("logits", [False, True])
@@ -119,3 +140,29 @@ def test_kernel_lowers_for_h200(logits):
             sds((b, hkv, g, d), jnp.bfloat16), tier, sds((b,), jnp.int32)
         )
     assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
+
+
+def test_dispatch_reads_a_stack_through_the_kernel_when_the_tuning_lists_it(monkeypatch):
+    """ "full-tm" in the Tuning's mgpu_tiers: `decode_attention(..., layer=)` runs the stacked
+    full tier through this kernel (in place), with the Triton kernel's result."""
+    import dataclasses
+
+    from kvjax.pallas_kernels.decode_attention import TUNINGS, decode_attention, tuning_for
+
+    case = CASES[2]
+    layers = [make_tiers(case, 40 + i) for i in range(2)]
+    q, q_pos = layers[0][0], layers[0][1]
+    tiers = [t[2] for t in layers]
+    stack = FullTier(*(jnp.stack([getattr(t, f) for t in tiers]) for f in ("k", "v", "pos")),
+                     tiers[1].extent)  # fmt: skip
+
+    def run(q):
+        return decode_attention(
+            q, q_pos, full=stack, scale=0.1, interpret=True, layer=jnp.int32(1)
+        ).out
+
+    want = run(q)  # the Triton kernel (interpreted)
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("full-tm",)))
+    assert "kvjax_decode_bf16_mgpu_tm" in str(jax.make_jaxpr(run)(q))
+    np.testing.assert_allclose(np.asarray(run(q)), np.asarray(want), atol=2e-2, rtol=2e-2)
