@@ -46,9 +46,13 @@ def _layer(seed: int, b=2, h=2, c=21, cq=19, pages=3, page=4, d=16, bits=2) -> L
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("joined", [False, True], ids=["xla-join", "join-kernel"])
-@pytest.mark.parametrize("tiers", ["fp", "fp+int8", "fp+int8+lowbit"])
-@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize(
+    "tiers, ratio, joined",
+    [(t, r, False) for t in ("fp", "fp+int8", "fp+int8+lowbit") for r in (1, 3)]
+    + [("fp+int8+lowbit", 1, True), ("fp+int8+lowbit", 3, True)],
+    ids=lambda x: {False: "xla-merge", True: "join-kernel"}.get(x, str(x)) if isinstance(x, bool)
+    else str(x),
+)  # fmt: skip
 def test_pallas_equals_xla_with_stats(tiers, ratio, joined, monkeypatch):
     """joined: the tiers' partials and the new token merged by `join_new_token` (the Tuning's
     join_new_token), else by XLA."""
