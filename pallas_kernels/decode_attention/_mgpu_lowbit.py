@@ -79,7 +79,7 @@ def _native(ref, load: str, bits: int, c: int) -> Array:
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
 
 
-OFFSET = 136  # what `_offset_codes` adds to a code: 0x4300 (128) and the top slice's sign flip
+OFFSET = 136  # what `_offset_codes` adds to a code: the exponent 0x43 (128) and the XOR's 8
 
 
 def _lop3_offset(x: Array, mask: int) -> Array:
@@ -357,11 +357,11 @@ def _kernel(
                 ]
                 vst = [lax.broadcast_in_dim(x.astype(jnp.float32), p.shape, [0]) for x in vst]
                 # A token's value scale multiplies its probability: value codes need no FMA.
-                pv_ = (p * vst[0]).astype(jnp.bfloat16)
-                p_smem.at[g, j].T[...] = pv_
+                p_scaled = (p * vst[0]).astype(jnp.bfloat16)  # P', the dot's B operand
+                p_smem.at[g, j].T[...] = p_scaled
                 z = z + p * vst[1]
                 if offset:  # the dot reads code + OFFSET: take OFFSET·P' (as stored) back out
-                    z = z - float(OFFSET) * pv_.astype(jnp.float32)
+                    z = z - float(OFFSET) * p_scaled.astype(jnp.float32)
             new_zt.append(z)
         plgpu.commit_smem()
         if not one_barrier:
@@ -465,9 +465,10 @@ def decode_attention_lowbit_mgpu(
             step copies the last two pages and attends only its own). Default: the device's
             Tuning.mgpu_lowbit_pages (at most P).
         fold_keys: put each page's key statistics on q instead of on the codes: the page's
-            (q⊙scale)^T and (q⊙zero)^T are stored as B operands and S = codes·(q⊙scale)^T +
-            ones·(q⊙zero)^T, so the key codes need no arithmetic but their conversion.
-            Default: the device's Tuning.mgpu_lowbit_fold_keys.
+            (q⊙scale)^T is stored as the QK dot's B operand and each column's Σ_c q·zero is
+            added to S as a float32 bias (S = codes·(q⊙scale)^T + bias), so the key codes need
+            no arithmetic but their conversion. Default: the device's
+            Tuning.mgpu_lowbit_fold_keys.
         int4_offset: int4 codes (`native`) convert to bfloat16 as code + 136 (one permute and
             one LOP3 a pair of codes, no subtract) and the offset comes back out through the
             folded key statistics and the value zeros' tile. Needs int4 codes and fold_keys.
