@@ -33,31 +33,57 @@ def join_applies(q: Array) -> str | None:
     return None
 
 
+def _chunk(splits: int, g: int, d: int) -> int:
+    """Splits a loop step of the join reads at once: a power of two with at most 4096 floats
+    of partial outputs (32 a thread of 4 warps), at most 8, at most `splits`."""
+    c = 1
+    while c < 8 and 2 * c <= splits and 2 * c * g * d <= 4096:
+        c *= 2
+    return c
+
+
+def _over_splits(parts, fn, carry):
+    """carry = fn(rows, carry) over every tier's splits, `rows` a static or dynamic slice of a
+    chunk of them: full chunks in a loop, the remainder one split at a time."""
+    for out_ref, lse_ref in parts:
+        s, g, d = out_ref.shape
+        c = _chunk(s, g, d)
+        full = s // c
+        if full:
+
+            def step(i, cr, out_ref=out_ref, lse_ref=lse_ref, c=c):
+                return fn(out_ref, lse_ref, pl.ds(i * c, c), cr)
+
+            carry = lax.fori_loop(0, full, step, carry)
+        for r in range(full * c, s):
+            carry = fn(out_ref, lse_ref, pl.ds(r, 1), carry)
+    return carry
+
+
 def _kernel(*refs, tiers: int, scale: float):
-    parts = refs[: 2 * tiers]
+    parts = list(zip(refs[: 2 * tiers : 2], refs[1 : 2 * tiers : 2], strict=True))
     q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, wnew_ref = refs[2 * tiers :]
     q = q_ref[...].astype(jnp.float32)  # [G, D]
     valid = valid_ref[0] != 0
     s_new = jnp.sum(q * k_ref[...].astype(jnp.float32)[None, :], axis=1) * scale  # [G]
     s_new = jnp.where(valid, s_new, -jnp.inf)
     g, d = q.shape
-    m = jnp.maximum(s_new, _NEG)
     ok = jnp.broadcast_to(valid, (g,))
-    den = jnp.where(ok, jnp.ones((g,), jnp.float32), jnp.zeros((g,), jnp.float32))
+    # Two passes with no chain of rescales between the splits: their max, then their sum.
+    # lse is -inf where a split saw nothing.
+    m = _over_splits(
+        parts, lambda o, lse, rows, m: jnp.maximum(m, lse[rows, :].max(axis=0)),
+        jnp.maximum(s_new, _NEG),
+    )  # fmt: skip
+
+    def add(out_in, lse_in, rows, carry):
+        den, acc = carry
+        w = jnp.exp(lse_in[rows, :] - m[None, :])  # [C, G]
+        return den + w.sum(axis=0), acc + (w[:, :, None] * out_in[rows, :, :]).sum(axis=0)
+
+    w_own = jnp.where(ok, jnp.exp(s_new - m), jnp.zeros((g,), jnp.float32))
     vb = jnp.broadcast_to(v_ref[...].astype(jnp.float32)[None, :], (g, d))
-    acc = jnp.where(jnp.broadcast_to(ok[:, None], (g, d)), vb, jnp.zeros((g, d), jnp.float32))
-    for t in range(tiers):
-        out_ref, lse_ref_t = parts[2 * t], parts[2 * t + 1]
-
-        def split(s, carry, out_ref=out_ref, lse_ref_t=lse_ref_t):
-            m, den, acc = carry
-            lse = lse_ref_t[s, :]  # [G]; -inf where the split saw nothing
-            m_new = jnp.maximum(m, lse)
-            c = jnp.exp(m - m_new)
-            w = jnp.exp(lse - m_new)
-            return m_new, den * c + w, acc * c[:, None] + w[:, None] * out_ref[s, :, :]
-
-        m, den, acc = lax.fori_loop(0, out_ref.shape[0], split, (m, den, acc))
+    den, acc = _over_splits(parts, add, (w_own, w_own[:, None] * vb))
     has = den > 0
     lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
     o_ref[...] = (acc / jnp.where(has, den, 1.0)[:, None]).astype(o_ref.dtype)

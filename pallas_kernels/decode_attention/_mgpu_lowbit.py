@@ -73,10 +73,16 @@ def _native(ref, load: str, bits: int, c: int) -> Array:
         lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
         x = plgpu.load(ref, layout=lay, optimized=True)
     if bits == 2:  # code slice c of the nibble, where it lies (NIBBLE_SIGN: top slice linear)
-        mask = ((1 << bits) - 1) << (c * bits)
+        mask = _nibble_mask(bits, c)
         x = x & jnp.int4(mask - 16 if mask >= 8 else mask)
     x = x.astype(jnp.bfloat16)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if load == "upcast2x" else x
+
+
+def _nibble_mask(bits: int, c: int) -> int:
+    """The bits of a stored nibble that code slice c holds: all four at 4 bits (where callers'
+    c names a value half's rows, not a slice), slice c's two at 2 bits."""
+    return 0xF if bits == 4 else ((1 << bits) - 1) << (c * bits)
 
 
 OFFSET = 136  # what `_offset_codes` adds to a code: the exponent 0x43 (128) and the XOR's 8
@@ -132,7 +138,7 @@ def _offset_codes(ref, bits: int, c: int, interpret: bool) -> Array:
     signed at 4 bits, the slice where it lies at 2 bits): exact in bfloat16 (128 ... 143)."""
     if interpret:
         return _native(ref, "auto", bits, c) + jnp.bfloat16(OFFSET)
-    mask = ((1 << bits) - 1) << (c * bits)
+    mask = _nibble_mask(bits, c)
     return _lop3_offset(plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=True), mask)
 
 
@@ -467,15 +473,16 @@ def decode_attention_lowbit_mgpu(
         fold_keys: put each page's key statistics on q instead of on the codes: the page's
             (q⊙scale)^T is stored as the QK dot's B operand and each column's Σ_c q·zero is
             added to S as a float32 bias (S = codes·(q⊙scale)^T + bias), so the key codes need
-            no arithmetic but their conversion. Default: the device's
-            Tuning.mgpu_lowbit_fold_keys.
+            no arithmetic but their conversion. Default: whether the device's
+            Tuning.mgpu_lowbit_fold_keys names these bits.
         int4_offset: int4 codes (`native`) convert to bfloat16 as code + 136 (one permute and
             one LOP3 a pair of codes, no subtract) and the offset comes back out through the
             folded key statistics and the value zeros' tile. Needs int4 codes and fold_keys.
-            Default: the device's Tuning.mgpu_lowbit_int4_offset where those hold.
+            Default: whether the device's Tuning.mgpu_lowbit_int4_offset names these bits,
+            where those hold.
         one_barrier: a stage's five TMA copies (codes, statistics, positions) arrive on one
-            barrier, waited on once a page, instead of one barrier each. Default: the device's
-            Tuning.mgpu_lowbit_one_barrier.
+            barrier, waited on once a page, instead of one barrier each. Default: whether the
+            device's Tuning.mgpu_lowbit_one_barrier names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -514,10 +521,10 @@ def decode_attention_lowbit_mgpu(
     else:
         pp = pages_per_step
     steps = -(-pages // pp)
-    fold = tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
+    fold = bits in tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
     native = view.k.dtype == jnp.int4
     if int4_offset is None:
-        offset = tune.mgpu_lowbit_int4_offset and native and fold
+        offset = bits in tune.mgpu_lowbit_int4_offset and native and fold
     elif int4_offset and not (native and fold):
         raise ValueError(
             "decode attention (Mosaic GPU low-bit): int4_offset=True needs int4 codes"
@@ -582,7 +589,7 @@ def decode_attention_lowbit_mgpu(
         pages_per_step=pp,
         fold_keys=fold,
         offset=offset,
-        one_barrier=tune.mgpu_lowbit_one_barrier if one_barrier is None else bool(one_barrier),
+        one_barrier=bits in tune.mgpu_lowbit_one_barrier if one_barrier is None else one_barrier,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret

@@ -43,14 +43,14 @@ class Tuning:
         mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
         mgpu_lowbit_pages: 64-token pages a loop step of the Mosaic GPU low-bit kernel reads
             (1 or 2; 2 where the tier's page count is even).
-        mgpu_lowbit_fold_keys: the Mosaic GPU low-bit kernel puts each page's key statistics
-            on q (two [N, D] B operands a page and a dot against a ones tile) instead of
-            dequantizing every key code in registers.
-        mgpu_lowbit_int4_offset: with fold_keys and int4 codes, the low-bit kernel converts
-            codes as code + 136 (a permute and a LOP3 a pair) and takes the offset out through
-            the statistics.
-        mgpu_lowbit_one_barrier: the low-bit kernel's five TMA copies of a stage arrive on one
-            barrier (one wait a page) instead of five.
+        mgpu_lowbit_fold_keys: bit widths (2, 4) at which the Mosaic GPU low-bit kernel puts
+            each page's key statistics on q ((q⊙scale)^T the QK dot's B operand, the zeros'
+            share a float32 bias) instead of dequantizing every key code in registers.
+        mgpu_lowbit_int4_offset: bit widths at which, with fold_keys and int4 codes, the
+            low-bit kernel converts codes as code + 136 (a permute and a LOP3 a pair) and takes
+            the offset out through the statistics.
+        mgpu_lowbit_one_barrier: bit widths at which the low-bit kernel's five TMA copies of a
+            stage arrive on one barrier (one wait a page) instead of five.
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
@@ -81,9 +81,9 @@ class Tuning:
     mgpu_block_k: int = 64
     mgpu_stages: int = 2
     mgpu_lowbit_pages: int = 1
-    mgpu_lowbit_fold_keys: bool = False
-    mgpu_lowbit_int4_offset: bool = False
-    mgpu_lowbit_one_barrier: bool = False
+    mgpu_lowbit_fold_keys: tuple[int, ...] = ()
+    mgpu_lowbit_int4_offset: tuple[int, ...] = ()
+    mgpu_lowbit_one_barrier: tuple[int, ...] = ()
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
@@ -121,6 +121,14 @@ _HOPPER = Tuning(
     # scan, read in the stack in place: 32 layers 12.51 / 12.42 ms (INT2 / INT4) against
     # token-major 15.92 / 19.99 (full 14.25).
     lowbit_cache_layout="kernel",
+    # INT2 over int4 codes with the key statistics on q, codes read as code + 136 and one
+    # barrier a stage: B = 8, 16K / 32K / 64K 124.8 / 251.8 / 387.5 -> 107.7 / 187.7 / 341.5 µs
+    # (1.79-1.91x -> 2.07-2.17x cuDNN BF16). INT4 ran slower folded (111.9 / 191.5 / 350.3 ->
+    # 117.0-124.3 / 195.1-223.6 / 372.0-384.9), so it keeps its codes dequantized (H100,
+    # 2026-12-05; docs/lab/2026-12-05-h100-kernel-knobs.md).
+    mgpu_lowbit_fold_keys=(2,),
+    mgpu_lowbit_int4_offset=(2,),
+    mgpu_lowbit_one_barrier=(2,),
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,

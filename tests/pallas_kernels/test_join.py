@@ -47,8 +47,9 @@ def _merge64(parts, q, k, v, valid, scale):
 
 @pytest.mark.parametrize(
     "g, d, splits, dtype",
-    [(4, 16, (3,), jnp.float32), (3, 8, (2, 5), jnp.float32), (1, 16, (1, 4, 2), jnp.bfloat16)],
-)
+    [(4, 16, (3,), jnp.float32), (3, 8, (2, 5), jnp.float32), (1, 16, (1, 4, 2), jnp.bfloat16),
+     (4, 128, (19, 1), jnp.float32)],  # 19 splits: two chunks of 8, three one by one
+)  # fmt: skip
 def test_join_matches_float64(g, d, splits, dtype):
     rng = np.random.default_rng(g * 100 + d + len(splits))
     b, h = 3, 2
@@ -113,7 +114,7 @@ def test_join_compiled_matches_float64():
         pytest.skip("the compiled (Triton) join needs a GPU; the interpreter cases cover CPU")
     rng = np.random.default_rng(7)
     b, h, g, d = 4, 8, 4, 128
-    parts = _parts(rng, b, h, g, d, (6, 3))
+    parts = _parts(rng, b, h, g, d, (6, 3, 35))
     q = jnp.asarray(rng.standard_normal((b, h, g, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16) for _ in "kv")
     valid = jnp.array([True, False, True, True])
