@@ -522,6 +522,9 @@ def decode_attention_lowbit_mgpu(
         pp = pages_per_step
     steps = -(-pages // pp)
     fold = bits in tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
+    if one_barrier is None:
+        one_barrier = bits in tune.mgpu_lowbit_one_barrier
+    one_barrier = bool(one_barrier)
     native = view.k.dtype == jnp.int4
     if int4_offset is None:
         offset = bits in tune.mgpu_lowbit_int4_offset and native and fold
@@ -589,7 +592,7 @@ def decode_attention_lowbit_mgpu(
         pages_per_step=pp,
         fold_keys=fold,
         offset=offset,
-        one_barrier=bits in tune.mgpu_lowbit_one_barrier if one_barrier is None else one_barrier,
+        one_barrier=one_barrier,
     )
     launch = decode_grid(
         body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret

@@ -108,6 +108,28 @@ class TestMgpuLowbit:
         if native:
             self._check(case, native, 3, fold_keys=True, int4_offset=True, return_logits=True)
 
+    @pytest.mark.parametrize("native", [True, False], ids=["int4codes", "bytes"])
+    def test_the_tunings_knobs_equal_the_same_knobs_per_call(self, monkeypatch, native):
+        """A device's Tuning naming these bits for all three knobs (as Hopper's does for INT2)
+        runs the kernel a call with the same knobs explicit runs, bit for bit."""
+        case = CASES[1]  # INT2, G 4, D 128
+        q, q_pos, tier, _ = _tiers(case, _seed("tuning", self.INTERPRET, native), native=native)
+        run = functools.partial(
+            decode_attention_lowbit_mgpu, q, tier, q_pos, bits=2, scale=0.1, num_splits=3,
+            stages=2, return_logits=True, interpret=self.INTERPRET,
+        )  # fmt: skip
+        want = run(fold_keys=True, int4_offset=native, one_barrier=True)
+        knobs = "mgpu_lowbit_fold_keys", "mgpu_lowbit_int4_offset", "mgpu_lowbit_one_barrier"
+        monkeypatch.setenv("KVJAX_TUNING", ",".join(f"{k}=2" for k in knobs))
+        jax.clear_caches()  # the Tuning is read when the call is traced
+        try:
+            got = run()
+        finally:
+            monkeypatch.delenv("KVJAX_TUNING")
+            jax.clear_caches()
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
     def _check(self, case, native, splits, **kw):
         seed = _seed(case, splits, self.INTERPRET, native)
         q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
