@@ -65,6 +65,15 @@ def unpack(packed: Array, bits: int) -> Array:
     n = codes_per_byte(bits)
     if n == 1:
         return packed
-    mask = jnp.uint8((1 << bits) - 1)
-    blocks = [(packed >> jnp.uint8(i * bits)) & mask for i in range(n)]
-    return jnp.concatenate(blocks, axis=-1)
+    # Every sub-block by one broadcast shift, [..., n, P] -> [..., n·P]: a concatenation of n
+    # shifted copies is the same codes, but XLA:CPU compiles it ~8x slower (0.7 s vs 0.09 s for
+    # one layer's INT2 keys at SmolLM2 shapes).
+    blocks = jnp.broadcast_to(packed[..., None, :], (*packed.shape[:-1], n, packed.shape[-1]))
+    codes = (blocks >> _shifts(blocks.shape, bits)) & jnp.uint8((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], n * packed.shape[-1])
+
+
+def _shifts(shape: tuple[int, ...], bits: int) -> Array:
+    """uint8 array of `shape` ([..., n, X]): i * bits, the bit offset of sub-block i along
+    axis -2."""
+    return jax.lax.broadcasted_iota(jnp.uint8, shape, len(shape) - 2) * jnp.uint8(bits)
