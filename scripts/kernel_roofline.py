@@ -19,8 +19,12 @@ def _knobs(r: dict) -> dict:
     return json.loads(k) if isinstance(k, str) else k
 
 
+def _knob_text(r: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(_knobs(r).items()))
+
+
 def _label(r: dict) -> str:
-    knobs = ",".join(f"{k}={v}" for k, v in sorted(_knobs(r).items()))
+    knobs = _knob_text(r)
     return f"{r['row']} [{knobs}]" if knobs else r["row"]
 
 
@@ -54,7 +58,7 @@ def table(rows: list[dict], only: list[str] | None, best: bool) -> str:
                 if shape in copy:  # copy bandwidth: its bytes read and written
                     bw = 2 * copy[shape]["bytes_read"] / copy[shape]["us"]
                     floor = f"{r['bytes_read'] / bw / r['us']:.0%}"
-                knob = f" [{_label(r).split(' [', 1)[1]}" if best and _knobs(r) else ""
+                knob = f" [{_knob_text(r)}]" if best and _knobs(r) else ""
                 cells.append(f"{r['us']:.1f} ({vs}, {floor}){knob}")
             label = name if best else _label(grp[0])
             out.append(f"| {label} ({per_slot:.0f}) | " + " | ".join(cells) + " |")

@@ -69,11 +69,7 @@ def unpack(packed: Array, bits: int) -> Array:
     # shifted copies is the same codes, but XLA:CPU compiles it ~8x slower (0.7 s vs 0.09 s for
     # one layer's INT2 keys at SmolLM2 shapes).
     blocks = jnp.broadcast_to(packed[..., None, :], (*packed.shape[:-1], n, packed.shape[-1]))
-    codes = (blocks >> _shifts(blocks.shape, bits)) & jnp.uint8((1 << bits) - 1)
+    # sub-block i's bit offset i·bits, an iota so that it fuses into the shift
+    shifts = jax.lax.broadcasted_iota(jnp.uint8, blocks.shape, blocks.ndim - 2) * jnp.uint8(bits)
+    codes = (blocks >> shifts) & jnp.uint8((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], n * packed.shape[-1])
-
-
-def _shifts(shape: tuple[int, ...], bits: int) -> Array:
-    """uint8 array of `shape` ([..., n, X]): i * bits, the bit offset of sub-block i along
-    axis -2."""
-    return jax.lax.broadcasted_iota(jnp.uint8, shape, len(shape) - 2) * jnp.uint8(bits)

@@ -522,9 +522,7 @@ def decode_attention_lowbit_mgpu(
         pp = pages_per_step
     steps = -(-pages // pp)
     fold = bits in tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
-    if one_barrier is None:
-        one_barrier = bits in tune.mgpu_lowbit_one_barrier
-    one_barrier = bool(one_barrier)
+    one_barrier = bits in tune.mgpu_lowbit_one_barrier if one_barrier is None else bool(one_barrier)
     native = view.k.dtype == jnp.int4
     if int4_offset is None:
         offset = bits in tune.mgpu_lowbit_int4_offset and native and fold
