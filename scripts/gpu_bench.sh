@@ -191,6 +191,17 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     (cd /tmp && TRACE=/tmp/dtrace python3 "$OLDPWD/scripts/profile_decode.py" "$@") \
       | tee -a "$OUT/trace_decode.txt"
     rm -rf /tmp/dtrace ;;
+  ncu-source)  # every SASS instruction of one kernel row with its executed count and stall
+    # samples (ncu's source page, CSV), then the opcode histogram of its main loop:
+    # ncu-source ROW [BATCH CONTEXT] [KNOB=V ...]
+    shift
+    (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy \
+      --section SpeedOfLight --import-source no -f -o /tmp/ncu_src \
+      python3 "$OLDPWD/scripts/profile_kernel.py" "$@") >"$OUT/ncu_src_$1.log" 2>&1 || true
+    ncu -i /tmp/ncu_src.ncu-rep --page details >>"$OUT/ncu_src_$1.log" 2>&1 || true
+    ncu -i /tmp/ncu_src.ncu-rep --page source --csv --print-source sass >"$OUT/sass_$1.csv" 2>&1 || true
+    python3 "$OLDPWD/scripts/ncu_sass_histogram.py" "$OUT/sass_$1.csv" | tee "$OUT/sass_$1.txt" || true ;;
   ncu)  # hardware counters of one kernel row: ncu ROW [BATCH CONTEXT] [KNOB=V ...]
     shift
     (cd /tmp && ncu --clock-control none -k 'regex:kvjax_decode' --launch-skip 1 --launch-count 1 \

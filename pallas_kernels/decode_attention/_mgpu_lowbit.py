@@ -461,7 +461,8 @@ def decode_attention_lowbit_mgpu(
         q_pos: [B] int32 query positions.
         bits: 2 or 4.
         scale: logit scale.
-        num_splits: splits per (sequence, KV head); default fills the chip.
+        num_splits: splits per (sequence, KV head); default: enough for the device's
+            Tuning.mgpu_lowbit_target_programs CTAs.
         stages: pages in flight (TMA copies ahead of the dots); default from the Tuning.
         int4_load: how int4 codes load into registers, one of INT4_LOADS (`_native`).
         return_logits: also return the scaled logits of every slot (for the policies that rank
@@ -535,7 +536,7 @@ def decode_attention_lowbit_mgpu(
     else:
         offset = bool(int4_offset)
     stages = max(1, min(stages or tune.mgpu_stages, steps))
-    splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_target_programs)
+    splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
     # fold_keys: q^T in float32 for the per-page products; else a placeholder never read

@@ -54,6 +54,8 @@ class Tuning:
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
+        mgpu_lowbit_target_programs: CTAs the Mosaic GPU low-bit kernel aims for (one wave of
+            as many CTAs as its registers let each multiprocessor hold).
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
             own layout faster than the Triton kernel reads the token-major one.
@@ -86,6 +88,7 @@ class Tuning:
     mgpu_lowbit_one_barrier: tuple[int, ...] = ()
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
+    mgpu_lowbit_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
     join_new_token: bool = False
     lowbit_cache_layout: str = "token"
@@ -127,6 +130,12 @@ _HOPPER = Tuning(
     # 117.0-124.3 / 195.1-223.6 / 372.0-384.9), so it keeps its codes dequantized (H100,
     # 2026-12-05; docs/lab/2026-12-05-h100-kernel-knobs.md).
     mgpu_lowbit_fold_keys=(2,),
+    # 8 splits at B = 8 (512 CTAs: at 114-124 registers a thread, 4 a multiprocessor, so one
+    # wave of 3.9 a multiprocessor instead of 2.9): INT2 104.4 / 190.3 / 344.0 -> 98.0 / 171.1 /
+    # 326.0 us at 16K / 32K / 64K, INT4 112.3 / 186.8 / 340.4 -> 104.7 / 175.2 / 334.6; 11
+    # splits (two waves) ran slower than 6 (H100, 2026-12-05; docs/lab/
+    # 2026-12-05-h100-lowbit-sass.md).
+    mgpu_lowbit_target_programs=512,
     mgpu_lowbit_int4_offset=(2,),
     mgpu_lowbit_one_barrier=(2,),
 )
