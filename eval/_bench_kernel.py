@@ -93,6 +93,10 @@ _ROW_KNOBS = {
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",
     ),
+    "lean_barriers": (
+        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
+        "Mosaic GPU low-bit",
+    ),
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)

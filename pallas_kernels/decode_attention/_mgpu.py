@@ -44,16 +44,29 @@ def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=tr)
 
 
-def decode_grid(body, out_type, scratch, grid: tuple[int, int, int], name: str, interpret: bool):
+def decode_grid(
+    body,
+    out_type,
+    scratch,
+    grid: tuple[int, int, int],
+    name: str,
+    interpret: bool,
+    auto_barriers: bool = True,
+):
     """The Mosaic GPU decode kernels' launch: one warpgroup a (sequence, KV head, split), grid
-    axes named "b", "h", "s", approximate exp/log, the interpreter when asked."""
+    axes named "b", "h", "s", approximate exp/log, the interpreter when asked.
+    `auto_barriers=False`: Pallas inserts no warpgroup barrier around each shared-memory store
+    and before each TMA copy (`unsafe_no_auto_barriers`); only for a kernel whose every
+    shared-memory hazard is ordered by its own barriers (`commit_smem`, barrier waits)."""
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
         grid=grid,
         grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, unsafe_no_auto_barriers=not auto_barriers
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name=name,
     )

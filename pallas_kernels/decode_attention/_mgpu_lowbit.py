@@ -430,6 +430,7 @@ def _kernel(
         "fold_keys",
         "int4_offset",
         "one_barrier",
+        "lean_barriers",
         "interpret",
     ),
 )
@@ -448,6 +449,7 @@ def decode_attention_lowbit_mgpu(
     fold_keys: bool | None = None,
     int4_offset: bool | None = None,
     one_barrier: bool | None = None,
+    lean_barriers: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -484,6 +486,13 @@ def decode_attention_lowbit_mgpu(
         one_barrier: a stage's five TMA copies (codes, statistics, positions) arrive on one
             barrier, waited on once a page, instead of one barrier each. Default: whether the
             device's Tuning.mgpu_lowbit_one_barrier names these bits.
+        lean_barriers: launch without the warpgroup barriers Pallas adds around every
+            shared-memory store and before every TMA copy (`unsafe_no_auto_barriers`). Safe
+            here: each tile the loop stores (q⊙scale, P') is read only by the dots after the
+            step's `commit_smem` (a fence and a barrier), and rewritten only after those dots
+            were waited for; a stage is refilled only after the `commit_smem` that follows
+            every register load of it. Default: whether the device's
+            Tuning.mgpu_lowbit_lean_barriers names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -524,6 +533,7 @@ def decode_attention_lowbit_mgpu(
     steps = -(-pages // pp)
     fold = bits in tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
     one_barrier = bits in tune.mgpu_lowbit_one_barrier if one_barrier is None else bool(one_barrier)
+    lean = bits in tune.mgpu_lowbit_lean_barriers if lean_barriers is None else bool(lean_barriers)
     native = view.k.dtype == jnp.int4
     if int4_offset is None:
         offset = bits in tune.mgpu_lowbit_int4_offset and native and fold
@@ -594,7 +604,13 @@ def decode_attention_lowbit_mgpu(
         one_barrier=one_barrier,
     )
     launch = decode_grid(
-        body, out_type, scratch, (b, hkv, splits), f"kvjax_decode_int{bits}_mgpu", interpret
+        body,
+        out_type,
+        scratch,
+        (b, hkv, splits),
+        f"kvjax_decode_int{bits}_mgpu",
+        interpret,
+        auto_barriers=not lean,
     )
     o, lse, *lg = launch(lay, tier.extent, q_pos, qp, qt, *data)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]

@@ -51,6 +51,9 @@ class Tuning:
             the offset out through the statistics.
         mgpu_lowbit_one_barrier: bit widths at which the low-bit kernel's five TMA copies of a
             stage arrive on one barrier (one wait a page) instead of five.
+        mgpu_lowbit_lean_barriers: bit widths at which the low-bit kernel launches without the
+            warpgroup barriers Pallas adds around each shared-memory store and before each TMA
+            copy (its own `commit_smem` barriers order every hazard).
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
@@ -86,6 +89,7 @@ class Tuning:
     mgpu_lowbit_fold_keys: tuple[int, ...] = ()
     mgpu_lowbit_int4_offset: tuple[int, ...] = ()
     mgpu_lowbit_one_barrier: tuple[int, ...] = ()
+    mgpu_lowbit_lean_barriers: tuple[int, ...] = ()
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384

@@ -108,9 +108,25 @@ class TestMgpuLowbit:
         if native:
             self._check(case, native, 3, fold_keys=True, int4_offset=True, return_logits=True)
 
+    @pytest.mark.parametrize(
+        "case, native, kw",
+        [
+            (CASES[1], True, dict(fold_keys=True, int4_offset=True, one_barrier=True)),
+            (CASES[0], True, dict(return_logits=True)),
+            (CASES[3], False, dict(pages_per_step=2, return_logits=True)),
+            (CASES[4], False, dict(fold_keys=True)),
+        ],
+        ids=["int2codes-hopper", "int4codes-logits", "int2-g3-d64-two-pages", "int4-g16-fold"],
+    )  # fmt: skip
+    def test_lean_barriers_match_float64(self, case, native, kw):
+        """lean_barriers=True (no barrier Pallas would add around each shared-memory store or
+        before each TMA copy): the kernel's own commit_smem barriers order every hazard, over
+        3 splits and many pages a split, with Hopper's INT2 knobs and without."""
+        self._check(case, native, 3, lean_barriers=True, **kw)
+
     @pytest.mark.parametrize("native", [True, False], ids=["int4codes", "bytes"])
     def test_the_tunings_knobs_equal_the_same_knobs_per_call(self, monkeypatch, native):
-        """A device's Tuning naming these bits for all three knobs (as Hopper's does for INT2)
+        """A device's Tuning naming these bits for all four knobs (as Hopper's does for INT2)
         runs the kernel a call with the same knobs explicit runs, bit for bit."""
         case = CASES[1]  # INT2, G 4, D 128
         q, q_pos, tier, _ = _tiers(case, _seed("tuning", self.INTERPRET, native), native=native)
@@ -118,8 +134,13 @@ class TestMgpuLowbit:
             decode_attention_lowbit_mgpu, q, tier, q_pos, bits=2, scale=0.1, num_splits=3,
             stages=2, return_logits=True, interpret=self.INTERPRET,
         )  # fmt: skip
-        want = run(fold_keys=True, int4_offset=native, one_barrier=True)
-        knobs = "mgpu_lowbit_fold_keys", "mgpu_lowbit_int4_offset", "mgpu_lowbit_one_barrier"
+        want = run(fold_keys=True, int4_offset=native, one_barrier=True, lean_barriers=True)
+        knobs = (
+            "mgpu_lowbit_fold_keys",
+            "mgpu_lowbit_int4_offset",
+            "mgpu_lowbit_one_barrier",
+            "mgpu_lowbit_lean_barriers",
+        )
         monkeypatch.setenv("KVJAX_TUNING", ",".join(f"{k}=2" for k in knobs))
         jax.clear_caches()  # the Tuning is read when the call is traced
         try:
@@ -275,9 +296,9 @@ def make_tiers_page(case: Case, seed: int, page: int):
     + [(b, f"int4-{load}", False) for b in (4, 2) for load in INT4_LOADS]
     + [(4, "bytes", True), (4, "int4-auto", True), (2, "int4-upcast2x", True)],
 )
-@pytest.mark.parametrize("fold", ["dequant", "fold", "fold+offset"])
+@pytest.mark.parametrize("fold", ["dequant", "fold", "fold+offset", "fold+offset+lean"])
 def test_kernel_lowers_for_h200(bits, codes, logits, fold):
-    if fold == "fold+offset" and not codes.startswith("int4"):
+    if fold.startswith("fold+offset") and not codes.startswith("int4"):
         pytest.skip("int4_offset needs int4 codes")
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
@@ -306,7 +327,8 @@ def test_kernel_lowers_for_h200(bits, codes, logits, fold):
         int4_load=load,
         return_logits=logits,
         fold_keys=fold != "dequant",
-        int4_offset=fold == "fold+offset",
+        int4_offset=fold.startswith("fold+offset"),
+        lean_barriers=fold.endswith("lean"),
     )
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
