@@ -39,7 +39,9 @@ def _column(header: list[str], *names: str) -> int | None:
 def read_rows(text: str) -> list[tuple[str, float, float]]:
     """(opcode, executed warp instructions, stall samples) of every SASS line of the CSV."""
     lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if '"Source"' in ln or ln.startswith("Source")), None)
+    start = next(
+        (i for i, ln in enumerate(lines) if '"Source"' in ln or ln.startswith("Source")), None
+    )
     if start is None:
         raise ValueError("no header with a 'Source' column: not ncu's --page source --csv output")
     reader = csv.reader(io.StringIO("\n".join(lines[start:])))
@@ -58,7 +60,11 @@ def read_rows(text: str) -> list[tuple[str, float, float]]:
         except ValueError:
             return 0.0
 
-    return [(opcode(r[src]), num(r, execd), num(r, stall)) for r in reader if len(r) > src and r[src].strip()]
+    return [
+        (opcode(r[src]), num(r, execd), num(r, stall))
+        for r in reader
+        if len(r) > src and r[src].strip()
+    ]
 
 
 def histogram(rows: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
@@ -76,7 +82,9 @@ def histogram(rows: list[tuple[str, float, float]]) -> dict[str, dict[str, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=pathlib.Path)
-    ap.add_argument("--pages", type=float, default=1.0, help="divide counts by this (pages a call reads)")
+    ap.add_argument(
+        "--pages", type=float, default=1.0, help="divide counts by this (pages a call reads)"
+    )
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -103,12 +111,16 @@ def main() -> None:
         )
         print()
         return
-    print(f"{args.csv.name}: {total / args.pages:,.1f} warp instructions per page "
-          f"({sum(d['lines'] for d in hist.values())} SASS lines)")
+    print(
+        f"{args.csv.name}: {total / args.pages:,.1f} warp instructions per page "
+        f"({sum(d['lines'] for d in hist.values())} SASS lines)"
+    )
     print(f"{'opcode':<28}{'per page':>12}{'share':>8}{'stalls':>8}{'lines':>7}")
     for op, d in top:
-        print(f"{op:<28}{d['executed'] / args.pages:>12,.1f}{d['executed'] / max(total, 1):>8.1%}"
-              f"{d['stalls'] / stalls:>8.1%}{d['lines']:>7}")
+        print(
+            f"{op:<28}{d['executed'] / args.pages:>12,.1f}{d['executed'] / max(total, 1):>8.1%}"
+            f"{d['stalls'] / stalls:>8.1%}{d['lines']:>7}"
+        )
 
 
 if __name__ == "__main__":
