@@ -58,20 +58,25 @@ def _slice(packed: Array, c: int, bits: int) -> Array:
 INT4_LOADS = ("upcast2x", "wgmma", "auto")  # how `_native` loads int4 codes (a tuning knob)
 
 
-def _native(ref, load: str, bits: int, c: int) -> Array:
-    """An int4 tile of shared memory as bfloat16 in the wgmma A layout, converted by Mosaic
-    GPU's int4 → bfloat16 path (a byte permute, a mask-or and a bfloat16 subtract for two
-    values). `load`: "upcast2x" loads four codes a thread-vector (WGMMA_UPCAST_2X, the layout
-    Mosaic GPU keeps for narrow operands of a dot) and moves the bfloat16 values to the wgmma
-    layout after the conversion; "wgmma" loads in the wgmma layout itself (two codes a
+def _load_int4(ref, load: str) -> Array:
+    """An int4 tile of shared memory in registers, in the layout `load` names (`_native`).
+    Loaded once for all the code slices a nibble holds (2 bits: two), so that no slice loads
+    the tile again after a dot (a dot's memory effects keep the compiler from merging loads)."""
+    if load == "auto":
+        return ref[...]
+    lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
+    return plgpu.load(ref, layout=lay, optimized=True)
+
+
+def _native(x: Array, load: str, bits: int, c: int) -> Array:
+    """An int4 tile (`_load_int4(ref, load)`) as bfloat16 in the wgmma A layout, converted by
+    Mosaic GPU's int4 → bfloat16 path (a byte permute, a mask-or and a bfloat16 subtract for
+    two values). `load`: "upcast2x" loads four codes a thread-vector (WGMMA_UPCAST_2X, the
+    layout Mosaic GPU keeps for narrow operands of a dot) and moves the bfloat16 values to the
+    wgmma layout after the conversion; "wgmma" loads in the wgmma layout itself (two codes a
     vector); "auto" leaves the layout to Mosaic GPU's inference. (WGMMA_UPCAST_4X, eight codes
     a vector, does not load from these tiles in JAX 0.11.2.) At 2 bits a nibble holds two code
     slices: slice c is one mask of it (`to_channel_major(native=True)`)."""
-    if load == "auto":
-        x = ref[...]
-    else:
-        lay = plgpu.Layout.WGMMA_UPCAST_2X if load == "upcast2x" else plgpu.Layout.WGMMA
-        x = plgpu.load(ref, layout=lay, optimized=True)
     if bits == 2:  # code slice c of the nibble, where it lies (NIBBLE_SIGN: top slice linear)
         mask = _nibble_mask(bits, c)
         x = x & jnp.int4(mask - 16 if mask >= 8 else mask)
@@ -133,13 +138,19 @@ def _lop3_offset(x: Array, mask: int) -> Array:
     return convert(x)
 
 
-def _offset_codes(ref, bits: int, c: int, interpret: bool) -> Array:
-    """Code slice c of an int4 tile as bfloat16 code + OFFSET (the code as `_native` reads it:
-    signed at 4 bits, the slice where it lies at 2 bits): exact in bfloat16 (128 ... 143)."""
+def _offset_load(interpret: bool) -> str:
+    """How `_offset_codes` wants its tile loaded: the wgmma layout (its inline PTX works on
+    those registers), or the interpreter's own."""
+    return "auto" if interpret else "wgmma"
+
+
+def _offset_codes(x: Array, bits: int, c: int, interpret: bool) -> Array:
+    """Code slice c of an int4 tile (`_load_int4(ref, _offset_load(interpret))`) as bfloat16
+    code + OFFSET (the code as `_native` reads it: signed at 4 bits, the slice where it lies at
+    2 bits): exact in bfloat16 (128 ... 143)."""
     if interpret:
-        return _native(ref, "auto", bits, c) + jnp.bfloat16(OFFSET)
-    mask = _nibble_mask(bits, c)
-    return _lop3_offset(plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=True), mask)
+        return _native(x, "auto", bits, c) + jnp.bfloat16(OFFSET)
+    return _lop3_offset(x, _nibble_mask(bits, c))
 
 
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
@@ -212,6 +223,7 @@ def _kernel(
         k_bar = v_bar = ks_bar = vs_bar = pos_bar = page_bar
     else:
         q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
+    load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     pages_cap = k_ref.shape[3]
@@ -296,8 +308,8 @@ def _kernel(
 
         def qk(*s_refs):
             for j, s_ref in enumerate(s_refs):  # page j of the step
-                # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 ref)
-                kc = k_smem.at[slot, j] if native else k_smem[slot, j]
+                # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
+                kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
                 keys = []
                 for c in range(n):  # slice c: channels c·w ... (c+1)·w
                     if offset:  # code + OFFSET: a permute and one LOP3 a pair
@@ -374,15 +386,18 @@ def _kernel(
             plgpu.barrier_wait(v_bar.at[slot])
 
         def pv(*o_refs):
+            tiles = {}  # (page, first row) -> its loaded int4 tile (2 bits: both halves')
             for r, o_ref_ in enumerate(o_refs):
                 for j in range(pp):
                     if native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
-                        rows = pl.ds(r * 64, 64) if bits == 4 else pl.ds(0, 64)
-                        vref = v_smem.at[slot, j, rows]
+                        row0 = r * 64 if bits == 4 else 0
+                        if (j, row0) not in tiles:
+                            vref = v_smem.at[slot, j, pl.ds(row0, 64)]
+                            tiles[j, row0] = _load_int4(vref, load)
                         if offset:
-                            codes = _offset_codes(vref, bits, r, interpret)
+                            codes = _offset_codes(tiles[j, row0], bits, r, interpret)
                         else:
-                            codes = _native(vref, int4_load, bits, r)
+                            codes = _native(tiles[j, row0], int4_load, bits, r)
                     else:
                         vc = v_smem[slot, j, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8]
                         codes = [_slice(vc, c, bits) for c in range(n)]  # tokens c·64/n …
