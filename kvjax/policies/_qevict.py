@@ -228,11 +228,17 @@ class QEvictPolicy(Policy):
         one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
-        skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
-        st, plan = jax.lax.cond(
-            jnp.any(event), lambda ops: jax.vmap(one)(*ops), skip, (pre.st, pre.new_score)
-        )
-        jobs = jax.vmap(self._job)(pre, st, plan)
+        # The plan's rounds are the busiest layer's, [2], taken in the event's branch (where
+        # XLA merges that max with each layer's over its heads: one reduction, none per step).
+        skip = lambda ops: (ops[0], empty._replace(src=stack(empty.src), dst=stack(empty.dst)))
+
+        def run(ops):
+            st, plan = jax.vmap(one)(*ops)
+            return st, plan._replace(rounds=jnp.max(plan.rounds, axis=0))
+
+        st, plan = jax.lax.cond(jnp.any(event), run, skip, (pre.st, pre.new_score))
+        jobs = jax.vmap(self._job)(pre, st, plan._replace(rounds=None))
+        jobs = jobs._replace(plan=jobs.plan._replace(rounds=plan.rounds))
         return apply_moves_stacked(jobs, lay, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
@@ -257,13 +263,15 @@ class QEvictPolicy(Policy):
         old = (tok_pos < n0[:, None, None])[:, None, :, :, None]
         ring_idx = (s + (tok_pos - s) % r).reshape(b, 1, kk * w)
         new_idx = jnp.clip(tok_pos - n0[:, None, None], 0, t - 1).reshape(b, 1, kk * w)
-        from_ring = lambda a: jnp.take_along_axis(a, ring_idx[..., None], axis=2)
-        from_new = lambda a: jnp.take_along_axis(jnp.swapaxes(a, 1, 2), new_idx[..., None], 2)
+        # (Indices in range: "clip" gathers need no bounds mask, a simpler kernel.)
+        take = lambda a, i: jnp.take_along_axis(a, i, axis=2, mode="clip")
+        from_ring = lambda a: take(a, ring_idx[..., None])
+        from_new = lambda a: take(jnp.swapaxes(a, 1, 2), new_idx[..., None])
         shape = (b, h, kk, w, d)
         new_k = jnp.where(old, from_ring(layer.k).reshape(shape), from_new(k_new).reshape(shape))
         new_v = jnp.where(old, from_ring(layer.v).reshape(shape), from_new(v_new).reshape(shape))
-        sc_ring = jnp.take_along_axis(layer.score, ring_idx, axis=2).reshape(b, h, kk, w)
-        sc_new = jnp.take_along_axis(stats.new_mass, new_idx, axis=2).reshape(b, h, kk, w)
+        sc_ring = take(layer.score, ring_idx).reshape(b, h, kk, w)
+        sc_new = take(stats.new_mass, new_idx).reshape(b, h, kk, w)
         new_score = jnp.where(old[..., 0], sc_ring, sc_new)
         # The leaving windows are read out of the ring before this call's tokens overwrite it
         # (else XLA would keep the old ring alive by copying the whole tier).

@@ -93,16 +93,17 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
 
 def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
     """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
-    [L] axis on each array (`lay`, static, given apart). The same loop, each round one
-    `jax.vmap` over the layers, so the scatters write the stacked buffers in place and the
-    trip count is the most rounds of any layer.
+    [L] axis on each array (`lay`, static, given apart), except the plan's rounds, [2], the
+    most rounds of any layer: the loop's trip count. The same loop, each round one
+    `jax.vmap` over the layers, so the scatters write the stacked buffers in place.
 
     Returns:
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    rounds_q, rounds_fp = jnp.max(job.plan.rounds, axis=0)
+    rounds_q, rounds_fp = job.plan.rounds
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
+    slim = slim._replace(plan=slim.plan._replace(rounds=None))
     one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)
     k, v, lb = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, (layer.k, layer.v, layer.lowbit))
@@ -135,7 +136,7 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
         if f == 0:
             return x
         t = (base + jnp.clip(src, 0, f - 1)[..., None] * w + tok).reshape(b, h, m * w)
-        fp = jnp.take_along_axis(a, t[..., None], axis=2).reshape(x.shape)
+        fp = jnp.take_along_axis(a, t[..., None], axis=2, mode="clip").reshape(x.shape)
         return jnp.where((src < f)[..., None, None], fp, x)
 
     deq_k, deq_v = lb.read(jnp.clip(src - f, 0, npg - 1), k.dtype)
@@ -159,7 +160,7 @@ def _take_new(new: Array, i: Array) -> Array:
     if new.shape[2] == 1:  # a decode step: one window, no gather (one kernel less to compile)
         return jnp.broadcast_to(new, (*i.shape, *new.shape[3:]))
     i = jnp.clip(i, 0, new.shape[2] - 1)
-    return jnp.take_along_axis(new, i[..., None, None], axis=2)
+    return jnp.take_along_axis(new, i[..., None, None], axis=2, mode="clip")
 
 
 def _round_up(n: int, m: int) -> int:

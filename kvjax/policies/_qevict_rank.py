@@ -129,15 +129,3 @@ def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     ).astype(jnp.int32)  # fmt: skip
     return parts, bcast(np.asarray(sizes[:counted], np.int32)) - absent
-
-
-def first_free(free_first: Array, count: Array, n: int, size: int) -> Array:
-    """Destinations [B, H, n] of the first `count` [B, H] entries of a needed-first list: the
-    free slots in index order (`free_first`, free ones first), `size` (dropped) after them.
-    The caller guarantees enough free slots."""
-    have = free_first.shape[-1]
-    if have < n:
-        pad = jnp.full((*free_first.shape[:-1], n - have), size, free_first.dtype)
-        free_first = jnp.concatenate([free_first, pad], axis=-1)
-    r = jnp.arange(n, dtype=jnp.int32).reshape((1,) * count.ndim + (n,))
-    return jnp.where(r < count[..., None], free_first[..., :n], size).astype(jnp.int32)

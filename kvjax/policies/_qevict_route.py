@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax.policies._qevict_move import move_sizes, put
-from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, first_free, true_first
+from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, true_first
 
 Array = jax.Array
 
@@ -160,10 +161,12 @@ def route(
     kk = new_win.shape[-1]
     led = st.fp_ledger
     fp_pos = st.pos[:, :, base:].reshape(b, h, f, w)
-    fp_win = jnp.where(fp_pos[..., 0] >= 0, (fp_pos[..., 0] - lay.sinks) // w, -1)
+    first_fp = _column(fp_pos, 0)
+    fp_win = jnp.where(first_fp >= 0, (first_fp - lay.sinks) // w, -1)
     fp_score = jnp.sum(st.score[:, :, base:].reshape(b, h, f, w), axis=-1)
-    active = st.page_pos[..., 0] >= 0
-    pg_win = jnp.where(active, (st.page_pos[..., 0] - lay.sinks) // w, -1)
+    first_pg = _column(st.page_pos, 0)
+    active = first_pg >= 0
+    pg_win = jnp.where(active, (first_pg - lay.sinks) // w, -1)
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
     win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
     score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
@@ -177,7 +180,7 @@ def route(
         EVICTED,
     )
     tier = jnp.where(event[:, None, None], assign_tiers(win, score, ledger, lay), current)
-    t_fp, t_pg, t_new = tier[..., :f], tier[..., f : f + npg], tier[..., f + npg :]
+    t_fp, t_pg = tier[..., :f], tier[..., f : f + npg]
 
     # Page bookkeeping: a dormant page follows the window of the full-precision slot linking it.
     stay_fp = (fp_win >= 0) & (t_fp == FP)
@@ -185,10 +188,14 @@ def route(
     linked = (led >= 0) & (fp_win >= 0) & (t_fp != EVICTED)
     link = _linked_pages(jnp.where(linked, led, npg), npg)
     held = (active & (t_pg != EVICTED)) | link
-    # Windows quantized now (first demotion): full-precision slots without a ledger, new windows.
-    need_q = [(fp_win >= 0) & (t_fp == INT) & (led < 0), t_new == INT]
-    # Windows entering full precision: promoted pages (from their ledger), new windows.
-    need_fp = [promote, t_new == FP]
+    # Over every candidate (one elementwise kernel each, where pieces per kind were several
+    # kernels and a concatenation; a tier other than EVICTED implies a window; a page's
+    # tier is never FP unless promoted, a slot's never INT unless demoted): windows
+    # quantized now (first demotion: full-precision slots without a ledger, new windows),
+    # and windows entering full precision (promoted pages, from their ledger; new windows).
+    kind = np.repeat(np.arange(3, dtype=np.int32), [f, npg, kk]).reshape(1, 1, -1)
+    need_q = (tier == INT) & (kind != 1) & ~ledger
+    need_fp = (tier == FP) & (kind != 0)
     # Each list needed-first, and the free pages and slots in index order: the i-th needed
     # window goes to the i-th free page (slot). Only windows that change storage are read,
     # `moves` of each kind per round.
@@ -196,24 +203,13 @@ def route(
         [need_q, need_fp, ~held, ~stay_fp], counted=2
     )
     n_q, n_fp, m = move_sizes(lay, kk, moves)
-    count_q, count_fp = counts[..., 0], counts[..., 1]
-    page_dst = first_free(free_pg, count_q, n_q, npg)  # [B, H, F + K]
-    fp_dst = first_free(free_fp, count_fp, n_fp, f)  # [B, H, P + K]
-    padded = lambda x, n, fill: jnp.pad(
-        x, ((0, 0), (0, 0), (0, _round_up(n, m) - n)), constant_values=fill
-    )
-    plan = MovePlan(
-        # Candidates numbered for the move loop: window slots, then pages, then new windows.
-        src=jnp.concatenate(
-            [
-                padded(jnp.where(order_q < f, order_q, order_q + npg), n_q, 0),
-                padded(order_fp + f, n_fp, 0),
-            ],
-            -1,
-        ),  # fmt: skip
-        dst=jnp.concatenate([padded(page_dst, n_q, npg), padded(fp_dst, n_fp, f)], -1),
-        rounds=-(-jnp.max(counts, axis=(0, 1)) // m),  # the busiest head's
-    )
+    lq = _round_up(n_q, m)
+    plan = _plan(jnp.concatenate([order_q, order_fp, free_pg, free_fp], -1), counts, lay, n_q, m)
+    # This event's rows of the plan: the i-th needed window (a candidate) and its destination
+    # (page, slot); past the count, any candidate and nowhere.
+    page_dst, fp_dst = plan.dst[..., :n_q], plan.dst[..., lq : lq + n_fp]
+    order_q = jnp.where(order_q[..., :n_q] < f, order_q[..., :n_q], order_q[..., :n_q] - npg)
+    order_fp = order_fp[..., :n_fp] - f
 
     # Metadata of every page and slot (small arrays), each kind by one scatter. A page's row
     # (positions, score, held): windows demoted back onto their dormant ledger page, and
@@ -273,11 +269,48 @@ def route(
         pos=region(st.pos, fp_rows[..., :w]),
         score=region(st.score, jax.lax.bitcast_convert_type(fp_rows[..., w : 2 * w], jnp.float32)),
         page_pos=pg_rows[..., :w],
-        page_score=jax.lax.bitcast_convert_type(pg_rows[..., w], jnp.float32),
-        held=pg_rows[..., w + 1] != 0,
-        fp_ledger=fp_rows[..., 2 * w],
+        page_score=jax.lax.bitcast_convert_type(_column(pg_rows, w), jnp.float32),
+        held=_column(pg_rows, w + 1) != 0,
+        fp_ledger=_column(fp_rows, 2 * w),
     )
     return new, plan
+
+
+def _plan(lists: Array, counts: Array, lay: Layout, n_q: int, m: int) -> MovePlan:
+    """The MovePlan from `true_first`'s four lists end to end, lists [B, H, N + N + P + F]
+    (candidates to quantize, candidates entering full precision, each needed first; free
+    pages, free slots, free first; N = F + P + K candidates) and the counts [B, H, 2] of
+    the needed ones (at most n_q, F + K, to quantize; P + K to bring in).
+
+    Each of src and dst is one gather at constant indices and one select (one kernel each,
+    where padding and concatenating the four pieces were six): a list entry i of a kind
+    reads its i-th needed window and goes to the kind's i-th free page or slot, or nowhere
+    (P, F) past the kind's count. Past the needed ones src is any candidate (never moved)."""
+    f, npg = lay.fp_windows, lay.pages
+    n = (lists.shape[-1] - npg - f) // 2
+    n_fp = n - f
+    lq, lf = _round_up(n_q, m), _round_up(n_fp, m)
+    i = np.concatenate([np.arange(lq), np.arange(lf)]).astype(np.int32)  # entry within its kind
+    quantize = np.arange(lq + lf) < lq
+    # Where each entry's window and free place sit in `lists` (clipped into its piece, or
+    # anywhere for an empty piece: past the count, never used).
+    last = max(lists.shape[-1] - 1, 0)
+    clip = lambda at, size: np.clip(at + np.minimum(i, max(size - 1, 0)), 0, last)
+    at_src = np.where(quantize, clip(0, n), clip(n, n))
+    at_dst = np.where(quantize, clip(2 * n, npg), clip(2 * n + npg, f))
+    take = lambda at: jnp.take(lists, at.astype(np.int32), axis=-1, mode="clip")
+    src, free = take(at_src), take(at_dst)
+    i, quantize = i.reshape(1, 1, -1), quantize.reshape(1, 1, -1)  # [1, 1, Lq + Lf]
+    count = jnp.where(quantize, counts[..., :1], counts[..., 1:])
+    return MovePlan(
+        # Candidates numbered as the move loop does: window slots, pages, new windows (0 past
+        # the count, as the lists' padding was: a select, where a bare gather's output took
+        # a layout XLA then copied in the cond's other branch).
+        src=jnp.where(i < count, src, 0),
+        dst=jnp.where(i < count, free, np.where(quantize, npg, f).astype(np.int32)),
+        # The busiest head's (counts >= 0: each head's rounds, then their max, one kernel).
+        rounds=jnp.max((counts + (m - 1)) // m, axis=(0, 1)),
+    )
 
 
 def _linked_pages(led: Array, npg: int) -> Array:
@@ -294,6 +327,15 @@ def _linked_pages(led: Array, npg: int) -> Array:
 _DENSE_PAIRS = 1 << 16  # window slots x pages up to which the links are found without a scatter
 
 
+def _column(rows: Array, j: int) -> Array:
+    """rows [B, H, N, X] -> [B, H, N], column j, as a strided slice of the rows end to end.
+    (`rows[..., j]` is a slice and a reshape that drops a size-1 axis, and at batch 1 XLA's
+    layout assignment gives that reshape a layout with the batch axis major, so the decode
+    loop copied the event's outputs in and out of that layout.)"""
+    b, h, n, x = rows.shape
+    return rows.reshape(b, h, n * x)[..., j::x]
+
+
 def _take(rows: Array, idx: Array) -> Array:
     """rows [B, H, N, X] at idx [B, H, n] -> [B, H, n, X]."""
-    return jnp.take_along_axis(rows, idx[..., None], axis=2)
+    return jnp.take_along_axis(rows, idx[..., None], axis=2, mode="clip")
