@@ -238,8 +238,7 @@ class QEvictPolicy(Policy):
 
         st, plan = jax.lax.cond(jnp.any(event), run, skip, (pre.st, pre.new_score))
         jobs = jax.vmap(self._job)(pre, st, plan._replace(rounds=None))
-        jobs = jobs._replace(plan=jobs.plan._replace(rounds=plan.rounds))
-        return apply_moves_stacked(jobs, lay, moves=self.moves)
+        return apply_moves_stacked(jobs, lay, plan.rounds, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,

@@ -91,19 +91,18 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     )
 
 
-def apply_moves_stacked(job: MoveJob, lay, *, moves: int | None):
+def apply_moves_stacked(job: MoveJob, lay, rounds: Array, *, moves: int | None):
     """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
-    [L] axis on each array (`lay`, static, given apart), except the plan's rounds, [2], the
-    most rounds of any layer: the loop's trip count. The same loop, each round one
+    [L] axis on each array (`lay`, static, given apart; its plan's rounds None), `rounds` [2]
+    the most rounds of any layer: the loop's trip count. The same loop, each round one
     `jax.vmap` over the layers, so the scatters write the stacked buffers in place.
 
     Returns:
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    rounds_q, rounds_fp = job.plan.rounds
+    rounds_q, rounds_fp = rounds
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
-    slim = slim._replace(plan=slim.plan._replace(rounds=None))
     one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)
     k, v, lb = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, (layer.k, layer.v, layer.lowbit))
