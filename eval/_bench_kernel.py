@@ -3,6 +3,9 @@ dequantize-then-attend, on the same shapes, in µs and achieved TB/s of the byte
 
 Every row is timed the same way: `iters` attention calls inside one jitted `fori_loop` (each
 call's query depends on the previous output, so none is hoisted), median of `repeats` runs.
+`unroll` calls per loop iteration (`fori_loop(unroll=)`) take the loop's own per-iteration cost
+(on a GPU, the host's test of the loop condition and its launch gap) off all but one call in
+`unroll`: at small shapes (batch 1) that cost is a large part of a call.
 Bytes read are the arrays each implementation must read once: K/V (codes), their scales and
 zeros, and (ours) the per-slot positions. The `copy` row is the ceiling: a device copy of the
 BF16 K/V bytes, its TB/s counting bytes read + written (so 2× bytes_read over its µs).
@@ -36,6 +39,7 @@ ROWS = (
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
     "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
     "mgpu-int4-codes-auto+logits", "mgpu-int2-codes-auto+logits",
+    "mgpu-int4-words", "mgpu-int2-words", "mgpu-int4-words+logits", "mgpu-int2-words+logits",
     "mgpu-tm-bf16", "mgpu-tm-bf16+logits", "pallas-bf16-join", "mgpu-tm-bf16-join",
 )  # fmt: skip
 
@@ -57,6 +61,7 @@ class KernelBench:
     tbps: float | None = None
     build_s: float | None = None  # building the row's arrays (random K/V, quantizing) this time
     first_s: float | None = None  # the first timed loop: tracing, compiling, `iters` calls
+    unroll: int = 1  # calls per iteration of the timed loop
     error: str | None = None
 
 
@@ -106,9 +111,9 @@ def _nbytes(*xs) -> int:
     return int(sum(x.size * jax.dtypes.itemsize_bits(x.dtype) for x in xs)) // 8
 
 
-def _timed(fn: Callable, q: jax.Array, data, iters: int, repeats: int) -> tuple[float, float]:
-    """(median seconds per call of fn(q, data) -> out [B, Hq, D], seconds of the first run of
-    the loop: tracing, compiling and `iters` calls).
+def _loop(fn: Callable, iters: int, unroll: int = 1) -> Callable:
+    """jit(q, data) -> q after `iters` chained calls q <- q + 1e-3·fn(q, data), `unroll` of
+    them an iteration of one `fori_loop`.
 
     The cache arrays `data` are arguments of the jitted loop: closed over, they would be
     embedded in the program as constants (minutes of compiling at S = 32K)."""
@@ -119,8 +124,17 @@ def _timed(fn: Callable, q: jax.Array, data, iters: int, repeats: int) -> tuple[
             out = fn(q, data).astype(q.dtype)
             return q + out * jnp.asarray(1e-3, q.dtype)
 
-        return jax.lax.fori_loop(0, iters, body, q)
+        return jax.lax.fori_loop(0, iters, body, q, unroll=unroll)
 
+    return loop
+
+
+def _timed(
+    fn: Callable, q: jax.Array, data, iters: int, repeats: int, unroll: int = 1
+) -> tuple[float, float]:
+    """(median seconds per call of fn(q, data) -> out [B, Hq, D], seconds of the first run of
+    the loop: tracing, compiling and `iters` calls; `unroll` of them a loop iteration)."""
+    loop = _loop(fn, iters, unroll)
     t = time.perf_counter()
     jax.block_until_ready(loop(q, data))
     first = time.perf_counter() - t
@@ -262,9 +276,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
         return ours(bits=bits), tier, _nbytes(*arrays)
 
-    def mgpu_lowbit(bits: int, native: bool = False, load: str = "upcast2x", logits=False):
+    def mgpu_lowbit(bits: int, native=False, load: str = "upcast2x", logits=False):
         # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
-        # groups, values channel-major (`to_channel_major`; `native`: int4 codes).
+        # groups, values channel-major (`to_channel_major`; `native`: int4 codes, or "words":
+        # 32-bit words in the dots' register order).
         def build():
             k, v = kv()
             pages = s // da.MGPU_LOWBIT_PAGE
@@ -275,17 +290,19 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
             ext = jnp.full((b, hkv), pages, jnp.int32)
             tier = da.LowBitTier(pack(kc, bits), pack(vc, bits), kscale, kzero, vscale, vzero,
                                  lpos, ext)  # fmt: skip
-            return da.to_channel_major(tier, bits, native=native)
+            words = native == "words"
+            return da.to_channel_major(tier, bits, native=native is True, words=words)
 
         def fn(q, knobs, tier):
-            extra = {"int4_load": load} if native else {}
+            extra = {"int4_load": load} if native is True else {}
             p = da.decode_attention_lowbit_mgpu(
                 grouped(q), tier, q_pos, bits=bits, scale=scale, return_logits=logits, **extra,
                 **(knobs or {}),
             )  # fmt: skip
             return out(da.combine([p])[0])
 
-        tier = once(f"mgpu-int{bits}" + ("-codes" if native else ""), build)  # one per layout
+        layout = {False: "", True: "-codes", "words": "-words"}[native]
+        tier = once(f"mgpu-int{bits}{layout}", build)  # one per layout
         return fn, tier, _nbytes(*tier[:5])
 
     cases = {
@@ -319,6 +336,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         cases[f"mgpu-int{bits}-codes-auto+logits"] = functools.partial(
             mgpu_lowbit, bits, True, "auto", True
         )
+        cases[f"mgpu-int{bits}-words"] = functools.partial(mgpu_lowbit, bits, "words")
+        cases[f"mgpu-int{bits}-words+logits"] = functools.partial(
+            mgpu_lowbit, bits, "words", logits=True
+        )
     return cases
 
 
@@ -334,6 +355,7 @@ def bench_kernel(
     rows: tuple[str, ...] = ROWS,
     iters: int = 20,
     repeats: int = 5,
+    unroll: int = 1,
     sweep: tuple[dict, ...] = (),
     sweep_rows: tuple[str, ...] = ("pallas-bf16",),
     on_row: Callable[[KernelBench], None] | None = None,
@@ -344,15 +366,18 @@ def bench_kernel(
     num_splits, num_warps, num_stages overriding the tuned defaults; v_words for the INT8 row
     only, int8_qk for the INT8 and low-bit rows, stack_pages, asm_unpack and tokens_m for the
     low-bit rows only), on the same data.
-    `on_row` sees each row as soon as it is timed (progress).
+    `on_row` sees each row as soon as it is timed (progress). `unroll`: calls per iteration of
+    the timed loop (a divisor of `iters`).
     """
+    if unroll < 1 or iters % unroll:
+        raise ValueError(f"unroll must be a positive divisor of iters={iters}, got {unroll}")
     for knob, (rows_of, label) in _ROW_KNOBS.items():
         wrong = [r for r in sweep_rows if not rows_of(r)]
         if wrong and any(knob in knobs for knobs in sweep):
             raise ValueError(f"sweep knob {knob} applies to the {label} rows only, not {wrong}")
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
-    shape.update(head_dim=head_dim, device=dev)
+    shape.update(head_dim=head_dim, device=dev, unroll=unroll)
     key = jax.random.key(0)
     cases = _cases(batch, context, q_heads, kv_heads, head_dim, page, value_group, key)
     q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)
@@ -373,7 +398,12 @@ def bench_kernel(
             else:
                 moved = nbytes
                 sec, first = _timed(
-                    lambda q, data, fn=fn, knobs=knobs: fn(q, knobs, data), q, data, iters, repeats
+                    lambda q, data, fn=fn, knobs=knobs: fn(q, knobs, data),
+                    q,
+                    data,
+                    iters,
+                    repeats,
+                    unroll,
                 )
             res = KernelBench(us=sec * 1e6, tbps=moved / sec / 1e12, first_s=first, **row, **shape)
         except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing on CPU: record, keep going

@@ -66,6 +66,13 @@ def _register_kernel(bsub) -> None:
     k.add_argument("--iters", type=int, default=20, help="calls per timed loop")
     k.add_argument("--repeats", type=int, default=5, help="timed loops (median)")
     k.add_argument(
+        "--unroll",
+        type=int,
+        default=1,
+        help="calls per iteration of the timed loop (a divisor of --iters): the loop's own "
+        "per-iteration cost falls on one call in UNROLL",
+    )
+    k.add_argument(
         "--sweep",
         nargs="*",
         default=[],
@@ -121,6 +128,7 @@ def run_kernel(args: argparse.Namespace) -> int:
                 rows=tuple(args.rows),
                 iters=args.iters,
                 repeats=args.repeats,
+                unroll=args.unroll,
                 sweep=sweep,
                 sweep_rows=tuple(args.sweep_rows),
                 on_row=functools.partial(_print_row, file=sys.stderr if args.json else None),

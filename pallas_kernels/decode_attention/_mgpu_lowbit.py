@@ -31,7 +31,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._channel_major import PAGE
+from kvjax.pallas_kernels.decode_attention._channel_major import (
+    PAGE,
+    WORD_BASE,
+    _word_place,
+    word_factor,
+    word_source_of,
+)
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
@@ -153,9 +159,71 @@ def _offset_codes(x: Array, bits: int, c: int, interpret: bool) -> Array:
     return _lop3_offset(x, _nibble_mask(bits, c))
 
 
+def _load_words(ref, interpret: bool) -> Array:
+    """A page's words-layout tile [W, 128] uint32 in registers: each thread's four words of a
+    128-bit load in the strided layout (`word_source`); the whole tile when interpreted."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, layout=plgpu.Layout.WG_STRIDED(ref.shape, vec_size=4), optimized=True)
+
+
+def _word_codes(x: Array, bits: int, k: int, part: int, parts: int, interpret: bool) -> Array:
+    """A [64, k] wgmma A operand, bfloat16 128 + code·2^pos, from tile `part` of `parts` in a
+    words-layout tile loaded by `_load_words` (`to_channel_major(words=True)`): one AND-OR a
+    register, and one shift a word and window. The interpreter gathers the same values."""
+    if interpret:  # (index arrays from iotas: a kernel may close over no array constant)
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (64, k), a) for a in (0, 1))
+        flat, bit = word_source_of(bits, k, parts, part, rows, cols)
+        codes = (x.reshape(-1)[flat] >> bit.astype(jnp.uint32)) & jnp.uint32((1 << bits) - 1)
+        pos = _word_place(bits, k, rows, cols)[3]
+        return (codes << pos.astype(jnp.uint32)).astype(jnp.float32).astype(
+            jnp.bfloat16
+        ) + jnp.bfloat16(WORD_BASE)
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+    from jax.experimental.mosaic import gpu as mgpu
+
+    per = k * bits // 64  # words a thread per tile
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WG_STRIDED(x.shape, vec_size=4),),
+        return_type=plgpu.ShapeDtypeStruct((64, k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def convert(_ctx, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        shape = mgpu.WGMMA_LAYOUT.registers_shape((64, k))
+        assert shape == (1, k // 8, 1, 1, 2, 1, 1, 1, 1), shape
+        out = np.empty(shape, dtype=object)
+        windows = {}  # (word, window) -> the word shifted to it
+
+        def window(jj: int, sh: int):
+            if (jj, sh) not in windows:
+                w = vector.extract(arr.registers[jj // 4], [], [jj % 4])
+                windows[jj, sh] = arith.shrui(w, mgpu.utils.c(4 * sh, i32)) if sh else w
+            return windows[jj, sh]
+
+        for k8 in range(k // 8):
+            for r2 in range(2):  # as `_word_place`
+                if bits == 2:
+                    j, a = divmod(k8, 4)
+                    sh, pos = 2 * (a // 2) + r2, 2 * (a % 2)
+                else:
+                    j, a = divmod(k8, 2)
+                    sh, pos = 2 * a + r2, 0
+                mask = (((1 << bits) - 1) << pos) * 0x10001  # both half-words
+                v = arith.andi(window(part * per + j, sh), mgpu.utils.c(mask, i32))
+                v = arith.ori(v, mgpu.utils.c(0x43004300, i32))  # bfloat16 128.0, twice
+                out[0, k8, 0, 0, r2, 0, 0, 0, 0] = mgpu.utils.bitcast(v, pair)
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return convert(x)
+
+
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
     """Why the Mosaic GPU low-bit kernel cannot run this (validated) tier (None if it can)."""
-    tp, d = tier.k.shape[3], q.shape[3]
+    tp, d = tier.pos.shape[3], q.shape[3]
     ng = tier.v_stats.shape[4]
     if q.dtype != jnp.bfloat16:
         return f"q dtype {q.dtype} (needs bfloat16)"
@@ -203,6 +271,7 @@ def _kernel(
     fold_keys: bool = False,
     offset: bool = False,
     one_barrier: bool = False,
+    words: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -224,11 +293,13 @@ def _kernel(
     else:
         q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
+    # what each code's operand adds to it: 136 (int4_offset), 128 (words), else nothing
+    off = float(OFFSET) if offset else WORD_BASE if words else 0.0
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     pages_cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
-    n = (4 if native else 8) // bits  # code slices a stored nibble (native) or byte
+    n = 1 if words else (4 if native else 8) // bits  # code slices a nibble (native) or byte
     w = d // n  # channels per key code slice
     ng = vs_ref.shape[5]
     halves = d // 64
@@ -246,8 +317,7 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     if fold_keys:  # q^T [D, N] in registers for the whole loop (N·D/128 floats a thread)
         qt = plgpu.load(qt_ref.at[b, h], layout=plgpu.Layout.WGMMA, optimized=False)
-        # offset codes: each key channel's operand is its code + OFFSET
-        koff = float(OFFSET) if offset else 0.0
+        koff = off  # each key channel's operand is its code + off
 
     def start(i):
         """The first page step i copies: i·pp, moved back to stay inside the P pages when P is
@@ -308,6 +378,11 @@ def _kernel(
 
         def qk(*s_refs):
             for j, s_ref in enumerate(s_refs):  # page j of the step
+                if words:  # one 128-bit load a thread, then one AND-OR a register
+                    kc = _load_words(k_smem.at[slot, j], interpret)
+                    keys = _word_codes(kc, bits, d, 0, 1, interpret)  # [64 tokens, D]
+                    plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+                    continue
                 # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
                 kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
                 keys = []
@@ -378,8 +453,8 @@ def _kernel(
                 p_scaled = (p * vst[0]).astype(jnp.bfloat16)  # P', the dot's B operand
                 p_smem.at[g, j].T[...] = p_scaled
                 z = z + p * vst[1]
-                if offset:  # the dot reads code + OFFSET: take OFFSET·P' (as stored) back out
-                    z = z - float(OFFSET) * p_scaled.astype(jnp.float32)
+                if off:  # the dot reads code + off: take off·P' (as stored) back out
+                    z = z - off * p_scaled.astype(jnp.float32)
             new_zt.append(z)
         plgpu.commit_smem()
         if not one_barrier:
@@ -389,7 +464,11 @@ def _kernel(
             tiles = {}  # (page, first row) -> its loaded int4 tile (2 bits: both halves')
             for r, o_ref_ in enumerate(o_refs):
                 for j in range(pp):
-                    if native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
+                    if words:  # the page's value tile, both halves: loaded once
+                        if j not in tiles:
+                            tiles[j] = _load_words(v_smem.at[slot, j], interpret)
+                        codes = _word_codes(tiles[j], bits, 64, r, halves, interpret)
+                    elif native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
                         row0 = r * 64 if bits == 4 else 0
                         if (j, row0) not in tiles:
                             vref = v_smem.at[slot, j, pl.ds(row0, 64)]
@@ -546,7 +625,14 @@ def decode_attention_lowbit_mgpu(
     else:
         pp = pages_per_step
     steps = -(-pages // pp)
+    words = view.k.dtype == jnp.uint32  # to_channel_major(words=True)
+    if words and fold_keys is False:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): the words layout needs fold_keys (its codes"
+            " convert to 128 + code·2^pos, the powers of two divided out of q), got fold_keys=False"
+        )
     fold = bits in tune.mgpu_lowbit_fold_keys if fold_keys is None else bool(fold_keys)
+    fold = fold or words
     one_barrier = bits in tune.mgpu_lowbit_one_barrier if one_barrier is None else bool(one_barrier)
     lean = bits in tune.mgpu_lowbit_lean_barriers if lean_barriers is None else bool(lean_barriers)
     native = view.k.dtype == jnp.int4
@@ -566,6 +652,8 @@ def decode_attention_lowbit_mgpu(
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
     # fold_keys: q^T in float32 for the per-page products; else a placeholder never read
     qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
+    if words:  # each key channel's power of two (`word_factor`) divided out of q, exactly
+        qt = qt / jnp.asarray(word_factor(bits, d))[None, None, :, None]
     f32 = jnp.float32
     out_type = [
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
@@ -574,7 +662,9 @@ def decode_attention_lowbit_mgpu(
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, pages, PAGE, cols), f32))
     ng = view.v_stats.shape[4]
-    if native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
+    if words:  # [W, 128] uint32 a page, keys and values alike
+        codes = [plgpu.SMEM((stages, pp, *view.k.shape[3:]), jnp.uint32)] * 2
+    elif native:  # int4 tiles laid out for the loads the int4 → bfloat16 conversion takes
         codes = [
             smem_tile((stages, pp, PAGE, d * bits // 4), jnp.int4),
             smem_tile((stages, pp, d * bits // 4, PAGE), jnp.int4),
@@ -617,6 +707,7 @@ def decode_attention_lowbit_mgpu(
         fold_keys=fold,
         offset=offset,
         one_barrier=one_barrier,
+        words=words,
     )
     launch = decode_grid(
         body,

@@ -123,7 +123,13 @@ def check_channel_major(tier, q, bits: int) -> None:
             f"{name}.k", f"must be [B, Hkv, P, Tp, D·bits/8], got {getattr(tier.k, 'shape', None)}"
         )
     pages, tp, dp = tier.k.shape[2:]
-    if tier.k.dtype == jnp.int4:  # to_channel_major(native=True): 4/bits codes a nibble
+    if tier.k.dtype == jnp.uint32:  # to_channel_major(words=True): [W, 128] words a page
+        if (d * bits) % 256:
+            _fail(f"{name}.k", f"the words layout needs D·bits a multiple of 256, got D={d}")
+        _expect(f"{name}.k", tier.k, (b, hkv, pages, d * bits // 64, 128), (jnp.uint32,))
+        _expect(f"{name}.v", tier.v, (b, hkv, pages, d * bits // 64, 128), (jnp.uint32,))
+        tp = getattr(tier.pos, "shape", (0,) * 4)[-1]
+    elif tier.k.dtype == jnp.int4:  # to_channel_major(native=True): 4/bits codes a nibble
         _expect(f"{name}.k", tier.k, (b, hkv, pages, tp, d * bits // 4), (jnp.int4,))
         _expect(f"{name}.v", tier.v, (b, hkv, pages, d * bits // 4, tp), (jnp.int4,))
     elif dp * 8 != d * bits:

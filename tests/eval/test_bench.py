@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kvjax.eval import bench_decode
@@ -141,6 +142,27 @@ def test_bench_kernel_rows_bytes_and_errors():
     if jax.default_backend() == "cpu":  # compiled Triton kernels cannot run here: an error row
         assert "Error" in res["pallas-int4"].error
         assert "Error" in res["pallas-bf16-pooled"].error
+
+
+def test_timed_loop_unrolled_is_the_same_chain_of_calls():
+    """`unroll` calls per loop iteration: the same chain of `iters` calls (each query depends
+    on the previous output) as a Python loop, with `unroll` copies of the call in the loop's
+    body; an unroll that does not divide `iters` is refused."""
+    from kvjax.eval._bench_kernel import _loop, _timed, bench_kernel
+
+    w = jnp.linspace(0.5, 1.5, 8, dtype=jnp.float32).reshape(1, 1, 8)
+    q = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).reshape(1, 1, 8)
+    want = np.asarray(q, np.float64)
+    for _ in range(4):
+        want = want + 1e-3 * np.tanh(want * np.asarray(w, np.float64))
+    for unroll in (1, 2, 4):
+        loop = _loop(lambda q, data: jnp.tanh(q * data), 4, unroll)
+        np.testing.assert_allclose(np.asarray(loop(q, w)), want, rtol=1e-6)
+        assert loop.lower(q, w).as_text().count("stablehlo.tanh") == unroll
+        sec, first = _timed(lambda q, data: jnp.tanh(q * data), q, w, 4, 1, unroll)
+        assert sec > 0 and first > 0
+    with pytest.raises(ValueError, match="unroll must be a positive divisor of iters=20, got 3"):
+        bench_kernel(batch=1, context=64, rows=(), unroll=3)
 
 
 @pytest.mark.parametrize(

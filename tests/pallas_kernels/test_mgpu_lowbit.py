@@ -32,14 +32,16 @@ from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import INT4_LOADS
 TOL = 2e-2  # bfloat16 operands
 
 
-def _tiers(case: Case, seed: int, value_group: int = 64, native: bool = False):
+def _tiers(case: Case, seed: int, value_group: int = 64, native: bool | str = False):
     """(q, q_pos, channel-major tier, oracle tiers (empty full, low-bit)) with 64-token pages
-    (`native`: int4 codes)."""
+    (`native`: int4 codes; "words": the words layout)."""
     q, q_pos, full, _, lowbit = make_tiers(
         case, seed, page=MGPU_LOWBIT_PAGE, value_group=value_group
     )
     empty = full._replace(pos=jnp.full_like(full.pos, -1))
-    return q, q_pos, to_channel_major(lowbit, case.bits, native=native), (empty, lowbit)
+    words = native == "words"
+    cm = to_channel_major(lowbit, case.bits, native=bool(native) and not words, words=words)
+    return q, q_pos, cm, (empty, lowbit)
 
 
 CASES = [
@@ -107,6 +109,23 @@ class TestMgpuLowbit:
         self._check(case, native, 3, fold_keys=True, return_logits=True, one_barrier=True)
         if native:
             self._check(case, native, 3, fold_keys=True, int4_offset=True, return_logits=True)
+
+    @pytest.mark.parametrize(
+        "case, kw",
+        [
+            (CASES[0], dict(return_logits=True)),
+            (CASES[1], dict(return_logits=True, one_barrier=True)),
+            (CASES[4], dict(one_barrier=True)),
+            (CASES[1], dict(pages_per_step=2, lean_barriers=True)),
+        ],
+        ids=["int4-g4-logits", "int2-g4-logits", "int4-g16", "int2-g4-two-pages-lean"],
+    )  # fmt: skip
+    def test_words_layout_matches_float64(self, case, kw):
+        """The words layout (`to_channel_major(words=True)`): each thread's codes by 128-bit
+        loads, a register's pair by one AND-OR into 128 + code·2^pos, the powers of two out
+        through q and the value scales, the 128 through the bias and the value zeros' tile;
+        compiled, this checks the register order against the wgmma fragment."""
+        self._check(case, "words", 3, **kw)
 
     @pytest.mark.parametrize(
         "case, native, kw",
@@ -294,16 +313,21 @@ def make_tiers_page(case: Case, seed: int, page: int):
     "bits, codes, logits",
     [(2, "bytes", False), (4, "bytes", False)]
     + [(b, f"int4-{load}", False) for b in (4, 2) for load in INT4_LOADS]
-    + [(4, "bytes", True), (4, "int4-auto", True), (2, "int4-upcast2x", True)],
+    + [(4, "bytes", True), (4, "int4-auto", True), (2, "int4-upcast2x", True)]
+    + [(b, "words", logits) for b in (4, 2) for logits in (False, True)],
 )
 @pytest.mark.parametrize("fold", ["dequant", "fold", "fold+offset", "fold+offset+lean"])
 def test_kernel_lowers_for_h200(bits, codes, logits, fold):
     if fold.startswith("fold+offset") and not codes.startswith("int4"):
         pytest.skip("int4_offset needs int4 codes")
+    if codes == "words" and fold not in ("fold", "dequant"):
+        pytest.skip("the words layout: folded keys, no int4_offset")
     b, hkv, g, d, pages = 2, 8, 4, 128, 16
     sds = jax.ShapeDtypeStruct
     load = codes.removeprefix("int4-") if codes.startswith("int4") else "upcast2x"
-    if codes.startswith("int4"):
+    if codes == "words":
+        k = v = sds((b, hkv, pages, d * bits // 64, 128), jnp.uint32)
+    elif codes.startswith("int4"):
         k = sds((b, hkv, pages, 64, d * bits // 4), jnp.int4)
         v = sds((b, hkv, pages, d * bits // 4, 64), jnp.int4)
     else:
@@ -326,7 +350,7 @@ def test_kernel_lowers_for_h200(bits, codes, logits, fold):
         num_splits=4,
         int4_load=load,
         return_logits=logits,
-        fold_keys=fold != "dequant",
+        fold_keys=fold != "dequant" or codes == "words",
         int4_offset=fold.startswith("fold+offset"),
         lean_barriers=fold.endswith("lean"),
     )
