@@ -272,6 +272,7 @@ def _kernel(
     offset: bool = False,
     one_barrier: bool = False,
     words: bool = False,
+    overlap: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -347,80 +348,105 @@ def _kernel(
         plgpu.commit_smem()
         return stage_ref
 
-    def step(i, carry):
-        acc, zt, m, l = carry
-        slot = lax.rem(i - first, stages)
-        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
+    def wait_all(slot):
+        """Every copy of a stage has landed (one barrier, or the five)."""
+        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar, vs_bar, v_bar):
             plgpu.barrier_wait(bar.at[slot])
 
-        def fold(j):
-            """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
-            operand, and each column's Σ_c q·zero (less the offset codes' share of the stored,
-            rounded q⊙scale) as a float32 [N]: S = codes·(q⊙scale)^T + bias."""
-            rowv = plgpu.Layout.WGMMA.reduce(1)
+    def fold(slot, j):
+        """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
+        operand, and each column's Σ_c q·zero (less the offset codes' share of the stored,
+        rounded q⊙scale) as a float32 [N]: S = codes·(q⊙scale)^T + bias."""
+        rowv = plgpu.Layout.WGMMA.reduce(1)
+        st = [
+            lax.broadcast_in_dim(
+                plgpu.load(ks_smem.at[slot, j, t], layout=rowv, optimized=True).astype(jnp.float32),
+                qt.shape,
+                [0],
+            )
+            for t in range(2)
+        ]
+        qs = (qt * st[0]).astype(jnp.bfloat16)
+        qs_smem.at[j].T[...] = qs
+        return (qt * st[1] - koff * qs.astype(jnp.float32)).sum(axis=0)
+
+    def qk_issue(slot, j, s_ref):
+        """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys)."""
+        if words:  # one 128-bit load a thread, then one AND-OR a register
+            kc = _load_words(k_smem.at[slot, j], interpret)
+            keys = _word_codes(kc, bits, d, 0, 1, interpret)  # [64 tokens, D]
+            plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+            return
+        # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
+        kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
+        keys = []
+        for c in range(n):  # slice c: channels c·w ... (c+1)·w
+            if offset:  # code + OFFSET: a permute and one LOP3 a pair
+                code = _offset_codes(kc, bits, c, interpret)
+            elif native:
+                code = _native(kc, int4_load, bits, c)
+            else:
+                code = _slice(kc, c, bits)
+            if fold_keys:  # the statistics are on q: the codes are the operand
+                keys.append(code)
+                continue
+            # Statistics loaded at their use: a whole page's at once would hold
+            # registers that cap the CTAs per multiprocessor.
             st = [
-                lax.broadcast_in_dim(
-                    plgpu.load(ks_smem.at[slot, j, t], layout=rowv, optimized=True).astype(
-                        jnp.float32
-                    ),
-                    qt.shape,
-                    [0],
-                )
+                plgpu.load(ks_smem.at[slot, j, t, pl.ds(c * w, w)], layout=col, optimized=True)
                 for t in range(2)
             ]
-            qs = (qt * st[0]).astype(jnp.bfloat16)
-            qs_smem.at[j].T[...] = qs
-            return (qt * st[1] - koff * qs.astype(jnp.float32)).sum(axis=0)
-
-        biases = [fold(j) for j in range(pp)] if fold_keys else None
+            kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
+            keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
+        keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
         if fold_keys:
-            plgpu.commit_smem()
+            plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+        else:
+            plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
 
-        def qk(*s_refs):
-            for j, s_ref in enumerate(s_refs):  # page j of the step
-                if words:  # one 128-bit load a thread, then one AND-OR a register
-                    kc = _load_words(k_smem.at[slot, j], interpret)
-                    keys = _word_codes(kc, bits, d, 0, 1, interpret)  # [64 tokens, D]
-                    plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
-                    continue
-                # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
-                kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
-                keys = []
-                for c in range(n):  # slice c: channels c·w ... (c+1)·w
-                    if offset:  # code + OFFSET: a permute and one LOP3 a pair
-                        code = _offset_codes(kc, bits, c, interpret)
-                    elif native:
-                        code = _native(kc, int4_load, bits, c)
+    def pv_issue(slot, o_refs, tiles):
+        """Issue the PV dots out^T [64 channels, N] of every 64-channel half r into o_refs[r],
+        over the step's pages in `slot` and P' in p_smem. `tiles`: the int4 / words tiles
+        already loaded (page, first row) -> tile, so that each is loaded once a page."""
+        for r, o_ref_ in enumerate(o_refs):
+            for j in range(pp):
+                if words:  # the page's value tile, both halves: loaded once
+                    if j not in tiles:
+                        tiles[j] = _load_words(v_smem.at[slot, j], interpret)
+                    codes = _word_codes(tiles[j], bits, 64, r, halves, interpret)
+                elif native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
+                    row0 = r * 64 if bits == 4 else 0
+                    if (j, row0) not in tiles:
+                        vref = v_smem.at[slot, j, pl.ds(row0, 64)]
+                        tiles[j, row0] = _load_int4(vref, load)
+                    if offset:
+                        codes = _offset_codes(tiles[j, row0], bits, r, interpret)
                     else:
-                        code = _slice(kc, c, bits)
-                    if fold_keys:  # the statistics are on q: the codes are the operand
-                        keys.append(code)
-                        continue
-                    # Statistics loaded at their use: a whole page's at once would hold
-                    # registers that cap the CTAs per multiprocessor.
-                    st = [
-                        plgpu.load(
-                            ks_smem.at[slot, j, t, pl.ds(c * w, w)], layout=col, optimized=True
-                        )
-                        for t in range(2)
-                    ]
-                    kd = code * lax.broadcast_in_dim(st[0], code.shape, [1])
-                    keys.append(kd + lax.broadcast_in_dim(st[1], code.shape, [1]))
-                keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
-                if fold_keys:
-                    plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+                        codes = _native(tiles[j, row0], int4_load, bits, r)
                 else:
-                    plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
-            return tuple(s_ref[...] for s_ref in s_refs)
+                    vc = v_smem[slot, j, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8]
+                    codes = [_slice(vc, c, bits) for c in range(n)]  # tokens c·64/n …
+                    codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]
+                plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r], j].T)
 
-        accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp)]
-        ss = []
-        for j, s in enumerate(pl.run_scoped(qk, *accs)):
+    def softmax(i, slot, ss, biases, m, l, zt, valid=None):
+        """The online softmax of step i's pages (their S in `ss`): masks, logits, the running
+        max (the step's one cross-warp reduction), the denominator and the value zeros' tiles,
+        and P' (times each token's value scale) stored to p_smem for the PV dots. `valid`: a
+        scalar, False on the overlapped loop's last turn, which reads no page (its statistics
+        are not loaded data). Returns (m_new, corr, l, zt)."""
+        ss, keep = list(ss), []
+        for j in range(pp):
+            s = ss[j]
             if fold_keys:  # each column's share of the zeros (and of the codes' offset)
                 s = s + lax.broadcast_in_dim(biases[j], s.shape, [1])
             pos = plgpu.load(pos_smem.at[slot, j], layout=row, optimized=True)
+            if valid is not None:  # a vector of `valid` in the rows' layout
+                keep.append((pos == pos) & valid)
             page = start(i) + j
             own = page >= i * pp  # not the step before's (a moved-back last step)
+            if valid is not None:
+                own = own & valid
             # A step's pages past the extent (an odd extent) are not attended either.
             seen = (pos >= 0) & (pos <= qpos) & own & (page < extent)
             s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s * scale, -jnp.inf)
@@ -430,7 +456,7 @@ def _kernel(
                 def _(s=s, page=page):
                     logits_ref[b, h, page] = s
 
-            ss.append(s)
+            ss[j] = s
         top = functools.reduce(jnp.maximum, ss)  # the step's one cross-warp reduction
         m_new = jnp.maximum(m, top.max(axis=0))
         corr = lax.broadcast_in_dim(jnp.exp(m - m_new), top.shape, [1])
@@ -438,7 +464,7 @@ def _kernel(
         # The denominator and the value zeros' share stay [64, N] tiles, their rows summed
         # once after the loop.
         l = functools.reduce(jnp.add, ps, l * corr)
-        if not one_barrier:
+        if not one_barrier and valid is None:
             plgpu.barrier_wait(vs_bar.at[slot])
         new_zt = []
         for g in range(ng):
@@ -448,6 +474,8 @@ def _kernel(
                     plgpu.load(vs_smem.at[slot, j, t, g], layout=row, optimized=True)
                     for t in range(2)
                 ]
+                if valid is not None:  # no page: statistics may be anything, even NaN
+                    vst = [jnp.where(keep[j], x, jnp.zeros_like(x)) for x in vst]
                 vst = [lax.broadcast_in_dim(x.astype(jnp.float32), p.shape, [0]) for x in vst]
                 # A token's value scale multiplies its probability: value codes need no FMA.
                 p_scaled = (p * vst[0]).astype(jnp.bfloat16)  # P', the dot's B operand
@@ -457,31 +485,30 @@ def _kernel(
                     z = z - off * p_scaled.astype(jnp.float32)
             new_zt.append(z)
         plgpu.commit_smem()
+        return m_new, corr, l, tuple(new_zt)
+
+    def step(i, carry):
+        acc, zt, m, l = carry
+        slot = lax.rem(i - first, stages)
+        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
+            plgpu.barrier_wait(bar.at[slot])
+        biases = [fold(slot, j) for j in range(pp)] if fold_keys else None
+        if fold_keys:
+            plgpu.commit_smem()
+
+        def qk(*s_refs):
+            for j, s_ref in enumerate(s_refs):  # page j of the step
+                qk_issue(slot, j, s_ref)
+            return tuple(s_ref[...] for s_ref in s_refs)
+
+        accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp)]
+        ss = pl.run_scoped(qk, *accs)
+        m_new, corr, l, new_zt = softmax(i, slot, ss, biases, m, l, zt)
         if not one_barrier:
             plgpu.barrier_wait(v_bar.at[slot])
 
         def pv(*o_refs):
-            tiles = {}  # (page, first row) -> its loaded int4 tile (2 bits: both halves')
-            for r, o_ref_ in enumerate(o_refs):
-                for j in range(pp):
-                    if words:  # the page's value tile, both halves: loaded once
-                        if j not in tiles:
-                            tiles[j] = _load_words(v_smem.at[slot, j], interpret)
-                        codes = _word_codes(tiles[j], bits, 64, r, halves, interpret)
-                    elif native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
-                        row0 = r * 64 if bits == 4 else 0
-                        if (j, row0) not in tiles:
-                            vref = v_smem.at[slot, j, pl.ds(row0, 64)]
-                            tiles[j, row0] = _load_int4(vref, load)
-                        if offset:
-                            codes = _offset_codes(tiles[j, row0], bits, r, interpret)
-                        else:
-                            codes = _native(tiles[j, row0], int4_load, bits, r)
-                    else:
-                        vc = v_smem[slot, j, pl.ds(r * 64, 64)]  # [64 channels, 64·bits/8]
-                        codes = [_slice(vc, c, bits) for c in range(n)]  # tokens c·64/n …
-                        codes = jnp.concatenate(codes, axis=1) if n > 1 else codes[0]
-                    plgpu.wgmma(o_ref_, operand(codes, va_smem), p_smem.at[grp[r], j].T)
+            pv_issue(slot, o_refs, {})
             return tuple(o[...] for o in o_refs)
 
         parts = pl.run_scoped(pv, *[plgpu.ACC((64, cols), jnp.float32) for _ in range(halves)])
@@ -489,7 +516,41 @@ def _kernel(
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
         new = tuple(a * corr + part for a, part in zip(acc, parts, strict=True))
-        return new, tuple(new_zt), m_new, l
+        return new, new_zt, m_new, l
+
+    def step_overlap(i, carry):
+        """Turn i of the overlapped loop (i = first ... last): the PV dots of page i - 1 (P'
+        of the turn before; zero on the first turn) and the QK dot of page i issued together
+        and waited for once, then page i's softmax. The last turn reads no page: its scores
+        are all masked, so it only finishes page last - 1's PV."""
+        acc, zt, m, l, corr_prev = carry
+        valid = i < last
+        slot = lax.rem(i - first, stages)
+        prev = lax.rem(i - first + stages - 1, stages)  # page i - 1's slot
+
+        @pl.when(valid)
+        def _():
+            wait_all(slot)
+
+        biases = [fold(slot, 0)] if fold_keys else None
+        if fold_keys:
+            plgpu.commit_smem()
+
+        def both(o_refs, s_ref):
+            pv_issue(prev, o_refs, {})  # in flight while the key codes convert
+            qk_issue(slot, 0, s_ref)
+            return tuple(o[...] for o in o_refs), s_ref[...]
+
+        o_accs = tuple(plgpu.ACC((64, cols), jnp.float32) for _ in range(halves))
+        parts, s = pl.run_scoped(
+            lambda *r: both(r[:-1], r[-1]), *o_accs, plgpu.ACC((PAGE, cols), jnp.float32)
+        )
+        acc = tuple(a * corr_prev + part for a, part in zip(acc, parts, strict=True))
+        # page i - 1's codes are read: refill its slot (none before the first page)
+        plgpu.commit_smem()
+        issue(i - 1 + stages, prev, (i > first) & (i - 1 + stages < last))
+        m_new, corr, l, new_zt = softmax(i, slot, [s], biases, m, l, zt, valid=valid)
+        return acc, new_zt, m_new, l, corr
 
     zeros = plgpu.layout_cast(jnp.zeros((64, cols), jnp.float32), plgpu.Layout.WGMMA)
     init = (
@@ -498,7 +559,15 @@ def _kernel(
         plgpu.layout_cast(jnp.full((cols,), _NEG, jnp.float32), col),
         zeros,
     )
-    acc, zt, m, l = lax.fori_loop(first, last, step, init)
+    if overlap:
+        nothing = plgpu.layout_cast(jnp.zeros((64, cols), jnp.bfloat16), plgpu.Layout.WGMMA)
+        for g in range(ng):  # P' zero: the first turn's PV adds nothing
+            p_smem.at[g, 0].T[...] = nothing
+        plgpu.commit_smem()
+        one = plgpu.layout_cast(jnp.ones((64, cols), jnp.float32), plgpu.Layout.WGMMA)
+        acc, zt, m, l, _ = lax.fori_loop(first, last + 1, step_overlap, (*init, one))
+    else:
+        acc, zt, m, l = lax.fori_loop(first, last, step, init)
     l = l.sum(axis=0)
     has = l > 0
     safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), (64, cols), [1])
@@ -525,6 +594,7 @@ def _kernel(
         "int4_offset",
         "one_barrier",
         "lean_barriers",
+        "overlap",
         "interpret",
     ),
 )
@@ -544,6 +614,7 @@ def decode_attention_lowbit_mgpu(
     int4_offset: bool | None = None,
     one_barrier: bool | None = None,
     lean_barriers: bool | None = None,
+    overlap: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -587,6 +658,11 @@ def decode_attention_lowbit_mgpu(
             were waited for; a stage is refilled only after the `commit_smem` that follows
             every register load of it. Default: whether the device's
             Tuning.mgpu_lowbit_lean_barriers names these bits.
+        overlap: issue each page's QK dot together with the previous page's PV dots and wait
+            for them once (one loop turn more, whose PV finishes the last page): the previous
+            page's value codes and P' stay in shared memory for one more turn, so the slot
+            of a page is refilled a turn later. Needs one page a step and at least 2 stages.
+            Default: whether the device's Tuning.mgpu_lowbit_overlap names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -647,6 +723,13 @@ def decode_attention_lowbit_mgpu(
     else:
         offset = bool(int4_offset)
     stages = max(1, min(stages or tune.mgpu_stages, steps))
+    overlap = bits in tune.mgpu_lowbit_overlap if overlap is None else bool(overlap)
+    if overlap and pp != 1:
+        raise ValueError(
+            f"decode attention (Mosaic GPU low-bit): overlap needs pages_per_step=1, got {pp}"
+        )
+    if overlap:  # page i - 1's slot is refilled after turn i: two stages at least
+        stages = max(stages, 2)
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
@@ -708,6 +791,7 @@ def decode_attention_lowbit_mgpu(
         offset=offset,
         one_barrier=one_barrier,
         words=words,
+        overlap=overlap,
     )
     launch = decode_grid(
         body,

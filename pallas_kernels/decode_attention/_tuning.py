@@ -54,6 +54,8 @@ class Tuning:
         mgpu_lowbit_lean_barriers: bit widths at which the low-bit kernel launches without the
             warpgroup barriers Pallas adds around each shared-memory store and before each TMA
             copy (its own `commit_smem` barriers order every hazard).
+        mgpu_lowbit_overlap: bit widths at which the low-bit kernel issues each page's QK dot
+            together with the previous page's PV dots and waits for them once.
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
@@ -90,6 +92,7 @@ class Tuning:
     mgpu_lowbit_int4_offset: tuple[int, ...] = ()
     mgpu_lowbit_one_barrier: tuple[int, ...] = ()
     mgpu_lowbit_lean_barriers: tuple[int, ...] = ()
+    mgpu_lowbit_overlap: tuple[int, ...] = ()
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384

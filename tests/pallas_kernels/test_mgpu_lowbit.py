@@ -111,6 +111,25 @@ class TestMgpuLowbit:
             self._check(case, native, 3, fold_keys=True, int4_offset=True, return_logits=True)
 
     @pytest.mark.parametrize(
+        "case, native, kw",
+        [
+            (CASES[1], "words", dict(one_barrier=True, return_logits=True)),
+            (CASES[1], True, dict(fold_keys=True, int4_offset=True, one_barrier=True)),
+            (CASES[0], True, dict(return_logits=True, stages=3)),
+            (CASES[3], False, dict(return_logits=True, num_splits=6)),
+            (CASES[4], False, dict(fold_keys=True, lean_barriers=True)),
+        ],
+        ids=["int2-words-logits", "int2codes-hopper", "int4codes-3stages",
+             "int2-g3-d64-empty-splits", "int4-g16-fold-lean"],
+    )  # fmt: skip
+    def test_overlapped_pages_match_float64(self, case, native, kw):
+        """overlap=True: page i's QK dot issued with page i - 1's PV dots, one wait a turn, a
+        last turn that only finishes the last page; with 6 splits of 4 pages some splits have
+        no page at all (their one turn reads none)."""
+        kw = {"num_splits": 3, **kw}
+        self._check(case, native, kw.pop("num_splits"), overlap=True, **kw)
+
+    @pytest.mark.parametrize(
         "case, kw",
         [
             (CASES[0], dict(return_logits=True)),
@@ -174,8 +193,9 @@ class TestMgpuLowbit:
         seed = _seed(case, splits, self.INTERPRET, native)
         q, q_pos, tier, (full, lowbit) = _tiers(case, seed, native=native)
         scale = q.shape[-1] ** -0.5
+        kw = {"stages": 2, **kw}
         res = decode_attention_lowbit_mgpu(
-            q, tier, q_pos, bits=case.bits, scale=scale, num_splits=splits, stages=2,
+            q, tier, q_pos, bits=case.bits, scale=scale, num_splits=splits,
             interpret=self.INTERPRET, **kw,
         )  # fmt: skip
         out, lse = combine([res])
@@ -288,6 +308,13 @@ def test_unsupported_input_gets_one_clear_error():
                        extent=jnp.minimum(tier.extent, 1))  # fmt: skip
     with pytest.raises(ValueError, match="needs as many pages, got 1"):
         run(q, t1, q_pos, bits=4, pages_per_step=2)
+    with pytest.raises(ValueError, match="overlap needs pages_per_step=1, got 2"):
+        run(q, tier, q_pos, bits=4, pages_per_step=2, overlap=True)
+    words = to_channel_major(lowbit, 4, words=True)
+    with pytest.raises(ValueError, match="the words layout needs fold_keys"):
+        run(q, words, q_pos, bits=4, fold_keys=False)
+    with pytest.raises(ValueError, match="native and words are two layouts"):
+        to_channel_major(lowbit, 4, native=True, words=True)
     with pytest.raises(ValueError, match=r"int4_offset=True needs int4 codes.*got uint8"):
         run(q, tier, q_pos, bits=4, fold_keys=True, int4_offset=True)
     native = to_channel_major(lowbit, 4, native=True)
@@ -318,6 +345,18 @@ def make_tiers_page(case: Case, seed: int, page: int):
 )
 @pytest.mark.parametrize("fold", ["dequant", "fold", "fold+offset", "fold+offset+lean"])
 def test_kernel_lowers_for_h200(bits, codes, logits, fold):
+    _lowers_for_h200(bits, codes, logits, fold)
+
+
+@pytest.mark.parametrize(
+    "bits, codes, fold",
+    [(2, "words", "fold"), (2, "int4-wgmma", "fold+offset"), (4, "bytes", "dequant")],
+)
+def test_overlapped_kernel_lowers_for_h200(bits, codes, fold):
+    _lowers_for_h200(bits, codes, True, fold, overlap=True)
+
+
+def _lowers_for_h200(bits, codes, logits, fold, **kw):
     if fold.startswith("fold+offset") and not codes.startswith("int4"):
         pytest.skip("int4_offset needs int4 codes")
     if codes == "words" and fold not in ("fold", "dequant"):
@@ -353,6 +392,7 @@ def test_kernel_lowers_for_h200(bits, codes, logits, fold):
         fold_keys=fold != "dequant" or codes == "words",
         int4_offset=fold.startswith("fold+offset"),
         lean_barriers=fold.endswith("lean"),
+        **kw,
     )
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, tier, q_pos)
