@@ -16,7 +16,7 @@ top slice read as signed int4 is linear, statistics per slice by `kernel_stats`.
 [.., Tp, D·bits/4], values [.., D·bits/4, Tp]; at 2 bits D = 128 with value groups of 64.
 
 `words=True` stores each page's codes as 32-bit words in the order of the dots' registers
-(`word_slots`): thread t of the warpgroup finds the codes of its wgmma A fragment in words it
+(`word_source`): thread t of the warpgroup finds the codes of its wgmma A fragment in words it
 reads with one 128-bit load each, and turns a pair of them into the two bfloat16 values of a
 register with one AND-OR (a LOP3) and, for every other pair, a shift: the code lies in the low
 mantissa bits of bfloat16 128.0 (0x4300), so the value is 128 + code·2^pos, pos the code's

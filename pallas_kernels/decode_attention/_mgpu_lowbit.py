@@ -205,13 +205,8 @@ def _word_codes(x: Array, bits: int, k: int, part: int, parts: int, interpret: b
             return windows[jj, sh]
 
         for k8 in range(k // 8):
-            for r2 in range(2):  # as `_word_place`
-                if bits == 2:
-                    j, a = divmod(k8, 4)
-                    sh, pos = 2 * (a // 2) + r2, 2 * (a % 2)
-                else:
-                    j, a = divmod(k8, 2)
-                    sh, pos = 2 * a + r2, 0
+            for r2 in range(2):  # register (k8, r2): row 8·r2 and column 8·k8 of warp 0, lane 0
+                _, j, sh, pos = (int(x) for x in _word_place(bits, k, 8 * r2, 8 * k8))
                 mask = (((1 << bits) - 1) << pos) * 0x10001  # both half-words
                 v = arith.andi(window(part * per + j, sh), mgpu.utils.c(mask, i32))
                 v = arith.ori(v, mgpu.utils.c(0x43004300, i32))  # bfloat16 128.0, twice
@@ -318,7 +313,6 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     if fold_keys:  # q^T [D, N] in registers for the whole loop (N·D/128 floats a thread)
         qt = plgpu.load(qt_ref.at[b, h], layout=plgpu.Layout.WGMMA, optimized=False)
-        koff = off  # each key channel's operand is its code + off
 
     def start(i):
         """The first page step i copies: i·pp, moved back to stay inside the P pages when P is
@@ -368,7 +362,7 @@ def _kernel(
         ]
         qs = (qt * st[0]).astype(jnp.bfloat16)
         qs_smem.at[j].T[...] = qs
-        return (qt * st[1] - koff * qs.astype(jnp.float32)).sum(axis=0)
+        return (qt * st[1] - off * qs.astype(jnp.float32)).sum(axis=0)
 
     def qk_issue(slot, j, s_ref):
         """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys)."""
