@@ -32,8 +32,9 @@ from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_
 
 ROWS = (
     "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
-    "pallas-bf16", "pallas-bf16+logits", "pallas-bf16-pooled", "pallas-bf16-pooled+logits",
-    "pallas-int8", "pallas-int4", "pallas-int2",
+    "pallas-bf16", "pallas-bf16-fc", "pallas-bf16+logits", "pallas-bf16-pooled",
+    "pallas-bf16-pooled+logits",
+    "pallas-int8", "pallas-int8-fc", "pallas-int4", "pallas-int2",
     "pallas-int4-f32stats", "pallas-int2-f32stats",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
@@ -66,7 +67,7 @@ class KernelBench:
 
 
 def _int8_row(row: str) -> bool:
-    return row == "pallas-int8"
+    return row in ("pallas-int8", "pallas-int8-fc")
 
 
 def _lowbit_row(row: str) -> bool:
@@ -102,6 +103,11 @@ _ROW_KNOBS = {
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",
     ),
+    "bias_outside": (
+        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
+        "Mosaic GPU low-bit",
+    ),
+    "words_lop3": (lambda r: r.startswith("mgpu-int") and "-words" in r, "Mosaic GPU words"),
     "lean_barriers": (
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",
@@ -209,7 +215,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     # a decode step's own key and value (the `-join` rows merge them with the partials)
     new_kv = jax.random.normal(ks[2], (2, b, hkv, d), jnp.bfloat16)
 
-    def ours(logits=False, bits=None, mgpu=False, tm=False, join=False):
+    def ours(logits=False, bits=None, mgpu=False, tm=False, join=False, fused=False):
         def fn(q, knobs, tier):
             knobs = knobs or {}
             if tm:  # slots on the wgmma M axis
@@ -224,6 +230,12 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
                 p = da.decode_attention_mgpu(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
+            elif bits is None and fused:  # the split combine as one kernel (`decode_attention`)
+                p = da.decode_attention_triton(
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, padded=True,
+                    **knobs,
+                )  # fmt: skip
+                return out(da.combine_triton(p.out, p.lse, g)[0])
             elif bits is None:
                 p = da.decode_attention_triton(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
@@ -315,10 +327,12 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "xla-bf16": nn_attn("xla"),
         "xla-dequant-int8": lambda: (dequant_then_attend, int8(), _nbytes(*int8())),
         "pallas-bf16": full(),
+        "pallas-bf16-fc": full(fused=True),
         "pallas-bf16+logits": full(logits=True),
         "pallas-bf16-pooled": pooled(),
         "pallas-bf16-pooled+logits": pooled(logits=True),
         "pallas-int8": int8_tier(),
+        "pallas-int8-fc": int8_tier(fused=True),
         "mgpu-bf16": full(mgpu=True),
         "mgpu-bf16+logits": full(logits=True, mgpu=True),
         "mgpu-int8": int8_tier(mgpu=True),

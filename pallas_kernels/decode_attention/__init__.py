@@ -21,6 +21,7 @@ from kvjax.pallas_kernels.decode_attention._api import (
 from kvjax.pallas_kernels.decode_attention._channel_major import PAGE as MGPU_LOWBIT_PAGE
 from kvjax.pallas_kernels.decode_attention._channel_major import to_channel_major
 from kvjax.pallas_kernels.decode_attention._combine import attention_mass, combine
+from kvjax.pallas_kernels.decode_attention._combine_triton import combine_triton
 from kvjax.pallas_kernels.decode_attention._join import join_applies, join_new_token
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
@@ -56,6 +57,7 @@ __all__ = [
     "Tuning",
     "attention_mass",
     "combine",
+    "combine_triton",
     "decode_attention",
     "decode_attention_lowbit_mgpu",
     "decode_attention_lowbit_tpu",

@@ -59,7 +59,28 @@ def decode_attention(
     layer: Array | None = None,
 ) -> DecodeResult:
     """One decode query per sequence attending a layer's full, INT8 and low-bit tiers
-    (`decode_partials`, then their log-sum-exp `combine`)."""
+    (`decode_partials`, then their log-sum-exp `combine`). A lone full tier on the Triton
+    kernel is combined by one more kernel (`combine_triton`) where the device's
+    Tuning.fused_combine says so, instead of XLA's several."""
+    if _fused_combine(backend, full, int8, lowbit):
+        from kvjax.pallas_kernels.decode_attention._combine_triton import (
+            combine_applies,
+            combine_triton,
+        )
+        from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
+
+        part = decode_attention_triton(
+            q, full, q_pos, layer, scale=scale, block_k=block_k, num_splits=num_splits,
+            return_logits=return_logits, interpret=interpret, padded=True,
+        )  # fmt: skip
+        group = q.shape[2]
+        logits = (part.logits,) if return_logits else ()
+        if combine_applies(part.out.shape[2], q.shape[3]) is None:
+            out, lse = combine_triton(part.out, part.lse, group, interpret=interpret)
+        else:
+            one = Partials(part.out[:, :, :, :group], part.lse[..., :group], None)
+            out, lse = combine([one])
+        return DecodeResult(out, lse, logits)
     parts = decode_partials(
         q, q_pos, full=full, int8=int8, lowbit=lowbit, bits=bits, scale=scale, backend=backend,
         return_logits=return_logits, interpret=interpret, block_k=block_k,
@@ -195,6 +216,18 @@ def decode_partials(
                 paged["layer"] = layer  # read in place
         parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     return parts
+
+
+def _fused_combine(backend, full, int8, lowbit) -> bool:
+    """Whether `decode_attention` runs a lone full tier through the Triton kernel and
+    `combine_triton`: backend "triton", no other tier, a FullTier, and neither the Mosaic GPU
+    kernels for it in the device's Tuning.mgpu_tiers nor Tuning.fused_combine off."""
+    if backend != "triton" or int8 is not None or lowbit is not None:
+        return False
+    if type(full) is not FullTier:
+        return False
+    tune = tuning_for()
+    return tune.fused_combine and not {"full", "full-tm"} & set(tune.mgpu_tiers)
 
 
 def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:

@@ -167,10 +167,13 @@ def _load_words(ref, interpret: bool) -> Array:
     return plgpu.load(ref, layout=plgpu.Layout.WG_STRIDED(ref.shape, vec_size=4), optimized=True)
 
 
-def _word_codes(x: Array, bits: int, k: int, part: int, parts: int, interpret: bool) -> Array:
+def _word_codes(
+    x: Array, bits: int, k: int, part: int, parts: int, interpret: bool, lop3: bool = True
+) -> Array:
     """A [64, k] wgmma A operand, bfloat16 128 + code·2^pos, from tile `part` of `parts` in a
     words-layout tile loaded by `_load_words` (`to_channel_major(words=True)`): one AND-OR a
-    register, and one shift a word and window. The interpreter gathers the same values."""
+    register (`lop3`: written as one inline LOP3; else as an AND and an OR, which ptxas emits
+    as two), and one shift a word and window. The interpreter gathers the same values."""
     if interpret:  # (index arrays from iotas: a kernel may close over no array constant)
         rows, cols = (lax.broadcasted_iota(jnp.int32, (64, k), a) for a in (0, 1))
         flat, bit = word_source_of(bits, k, parts, part, rows, cols)
@@ -181,7 +184,7 @@ def _word_codes(x: Array, bits: int, k: int, part: int, parts: int, interpret: b
         ) + jnp.bfloat16(WORD_BASE)
     import numpy as np
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, vector
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic import gpu as mgpu
 
     per = k * bits // 64  # words a thread per tile
@@ -208,12 +211,35 @@ def _word_codes(x: Array, bits: int, k: int, part: int, parts: int, interpret: b
             for r2 in range(2):  # register (k8, r2): row 8·r2 and column 8·k8 of warp 0, lane 0
                 _, j, sh, pos = (int(x) for x in _word_place(bits, k, 8 * r2, 8 * k8))
                 mask = (((1 << bits) - 1) << pos) * 0x10001  # both half-words
-                v = arith.andi(window(part * per + j, sh), mgpu.utils.c(mask, i32))
-                v = arith.ori(v, mgpu.utils.c(0x43004300, i32))  # bfloat16 128.0, twice
+                src = window(part * per + j, sh)
+                if lop3:  # (w & mask) | 0x43004300 as one LOP3 (ptxas made it two)
+                    v = llvm.inline_asm(
+                        i32, [src], f"lop3.b32 $0, $1, {mask:#010x}, 0x43004300, 0xea;", "=r,r"
+                    )
+                else:
+                    v = arith.andi(src, mgpu.utils.c(mask, i32))
+                    v = arith.ori(v, mgpu.utils.c(0x43004300, i32))  # bfloat16 128.0, twice
                 out[0, k8, 0, 0, r2, 0, 0, 0, 0] = mgpu.utils.bitcast(v, pair)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(x)
+
+
+def key_bias(qt: Array, k_stats: Array, off: float) -> Array:
+    """Each page's key bias for the folded keys, [B, Hkv, P, N] float32: Σ_c qt·zero less
+    off·Σ_c bf16(qt·scale) (the offset codes' share of the B operand as the kernel rounds it),
+    what `fold` sums in the loop otherwise. qt [B, Hkv, D, N] float32 (q^T, over the words'
+    powers of two); k_stats [B, Hkv, P, 2, D] bfloat16 kernel-ready (scale, zero)."""
+    scale = k_stats[:, :, :, 0].astype(jnp.float32)  # [B, Hkv, P, D]
+    zero = k_stats[:, :, :, 1].astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    bias = jnp.einsum("bhdn,bhpd->bhpn", qt, zero, precision=hi)
+    if off:  # bfloat16-rounded as the kernel stores it: through its bits, which XLA's excess
+        # precision (a float32 → bfloat16 → float32 round trip elided) cannot skip
+        qs = (qt[:, :, None] * scale[..., None]).astype(jnp.bfloat16)
+        bits = lax.bitcast_convert_type(qs, jnp.uint16).astype(jnp.uint32) << 16
+        bias = bias - off * lax.bitcast_convert_type(bits, jnp.float32).sum(axis=3)
+    return bias
 
 
 def mgpu_lowbit_applies(tier: ChannelMajorLowBitTier, q: Array) -> str | None:
@@ -246,6 +272,7 @@ def _kernel(
     ks_ref,  # [L, B, Hkv, P, 2, D] bf16 kernel-ready key statistics
     vs_ref,  # [L, B, Hkv, P, 2, NG, 64] bf16 kernel-ready value statistics
     pos_ref,  # [L, B, Hkv, P, 64] int32
+    bias_ref,  # bias_outside: [B, Hkv, P, N] f32, each page's key bias (`key_bias`); else unused
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, P, 64, N] f32 (return_logits; pages >= extent never written),
@@ -268,6 +295,8 @@ def _kernel(
     one_barrier: bool = False,
     words: bool = False,
     overlap: bool = False,
+    lop3: bool = True,
+    bias_outside: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -275,6 +304,8 @@ def _kernel(
     ]
     if fold_keys:  # the B operand (q⊙scale)^T of each page of a step
         qs_smem, *stage = stage
+    if bias_outside:  # [stages, pp, N] f32: the pages' key biases, copied as their codes
+        bias_smem, *stage = stage
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
     # nibble.
@@ -283,11 +314,14 @@ def _kernel(
     else:
         ka_smem = va_smem = None
         bars = stage
-    if one_barrier:  # every copy of a stage arrives on one barrier (5 arrivals)
+    if one_barrier:  # every copy of a stage arrives on one barrier (5 arrivals; 6 with biases)
         q_bar, page_bar = bars
-        k_bar = v_bar = ks_bar = vs_bar = pos_bar = page_bar
+        k_bar = v_bar = ks_bar = vs_bar = pos_bar = bias_bar = page_bar
+    elif bias_outside:
+        q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar, bias_bar = bars
     else:
         q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
+        bias_bar = None
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
     # what each code's operand adds to it: 136 (int4_offset), 128 (words), else nothing
     off = float(OFFSET) if offset else WORD_BASE if words else 0.0
@@ -328,6 +362,9 @@ def _kernel(
             plgpu.copy_gmem_to_smem(ks_ref.at[at], ks_smem.at[slot], ks_bar.at[slot])
             plgpu.copy_gmem_to_smem(vs_ref.at[at], vs_smem.at[slot], vs_bar.at[slot])
             plgpu.copy_gmem_to_smem(pos_ref.at[at], pos_smem.at[slot], pos_bar.at[slot])
+            if bias_outside:
+                bias_at = (b, h, pl.ds(start(i), pp))
+                plgpu.copy_gmem_to_smem(bias_ref.at[bias_at], bias_smem.at[slot], bias_bar.at[slot])
 
     for j in range(stages):
         issue(first + j, j, first + j < last)
@@ -343,9 +380,11 @@ def _kernel(
         return stage_ref
 
     def wait_all(slot):
-        """Every copy of a stage has landed (one barrier, or the five)."""
+        """Every copy of a stage has landed (one barrier, or one a copy)."""
         for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar, vs_bar, v_bar):
             plgpu.barrier_wait(bar.at[slot])
+        if bias_outside and not one_barrier:
+            plgpu.barrier_wait(bias_bar.at[slot])
 
     def fold(slot, j):
         """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
@@ -358,17 +397,19 @@ def _kernel(
                 qt.shape,
                 [0],
             )
-            for t in range(2)
+            for t in range(1 if bias_outside else 2)
         ]
         qs = (qt * st[0]).astype(jnp.bfloat16)
         qs_smem.at[j].T[...] = qs
+        if bias_outside:  # computed before the launch (`key_bias`): no sum across warps
+            return plgpu.load(bias_smem.at[slot, j], layout=col, optimized=True)
         return (qt * st[1] - off * qs.astype(jnp.float32)).sum(axis=0)
 
     def qk_issue(slot, j, s_ref):
         """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys)."""
         if words:  # one 128-bit load a thread, then one AND-OR a register
             kc = _load_words(k_smem.at[slot, j], interpret)
-            keys = _word_codes(kc, bits, d, 0, 1, interpret)  # [64 tokens, D]
+            keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3)  # [64 tokens, D]
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
             return
         # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
@@ -407,7 +448,7 @@ def _kernel(
                 if words:  # the page's value tile, both halves: loaded once
                     if j not in tiles:
                         tiles[j] = _load_words(v_smem.at[slot, j], interpret)
-                    codes = _word_codes(tiles[j], bits, 64, r, halves, interpret)
+                    codes = _word_codes(tiles[j], bits, 64, r, halves, interpret, lop3)
                 elif native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
                     row0 = r * 64 if bits == 4 else 0
                     if (j, row0) not in tiles:
@@ -486,6 +527,8 @@ def _kernel(
         slot = lax.rem(i - first, stages)
         for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
             plgpu.barrier_wait(bar.at[slot])
+        if bias_outside and not one_barrier:
+            plgpu.barrier_wait(bias_bar.at[slot])
         biases = [fold(slot, j) for j in range(pp)] if fold_keys else None
         if fold_keys:
             plgpu.commit_smem()
@@ -589,6 +632,8 @@ def _kernel(
         "one_barrier",
         "lean_barriers",
         "overlap",
+        "words_lop3",
+        "bias_outside",
         "interpret",
     ),
 )
@@ -609,6 +654,8 @@ def decode_attention_lowbit_mgpu(
     one_barrier: bool | None = None,
     lean_barriers: bool | None = None,
     overlap: bool | None = None,
+    words_lop3: bool | None = None,
+    bias_outside: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -657,6 +704,14 @@ def decode_attention_lowbit_mgpu(
             page's value codes and P' stay in shared memory for one more turn, so the slot
             of a page is refilled a turn later. Needs one page a step and at least 2 stages.
             Default: whether the device's Tuning.mgpu_lowbit_overlap names these bits.
+        words_lop3: the words layout's code conversion, (word & mask) | bfloat16 128, as one
+            inline LOP3 a register (else an AND and an OR, which ptxas emits as two LOP3s; the
+            same values). Default: the device's Tuning.mgpu_lowbit_words_lop3.
+        bias_outside: with fold_keys, each page's key bias (Σ_c q·zero, less the offset codes'
+            share of the rounded q⊙scale) is computed by XLA before the launch (`key_bias`,
+            reading the key statistics once more) and copied with the page, instead of summed
+            across the warpgroup's warps in the loop. Default: whether the device's
+            Tuning.mgpu_lowbit_bias_outside names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -724,6 +779,12 @@ def decode_attention_lowbit_mgpu(
         )
     if overlap:  # page i - 1's slot is refilled after turn i: two stages at least
         stages = max(stages, 2)
+    outside = bits in tune.mgpu_lowbit_bias_outside if bias_outside is None else bias_outside
+    if outside and not fold:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): bias_outside=True needs fold_keys (the bias"
+            " is the folded keys' zeros on q)"
+        )
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
@@ -731,6 +792,12 @@ def decode_attention_lowbit_mgpu(
     qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
     if words:  # each key channel's power of two (`word_factor`) divided out of q, exactly
         qt = qt / jnp.asarray(word_factor(bits, d))[None, None, :, None]
+    off = float(OFFSET) if offset else WORD_BASE if words else 0.0
+    if outside:
+        k_stats = tier.k_stats if layer is None else jnp.take(tier.k_stats, layer, axis=0)
+        bias = key_bias(qt, k_stats, off)
+    else:
+        bias = jnp.zeros((1,), jnp.float32)  # a placeholder never read
     f32 = jnp.float32
     out_type = [
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
@@ -763,13 +830,16 @@ def decode_attention_lowbit_mgpu(
     ]
     if fold:  # (q⊙scale) of each page of a step, K-major as q_smem
         scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
+    if outside:
+        scratch += [plgpu.SMEM((stages, pp, cols), f32)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)]
+    copies = 6 if outside else 5  # TMA copies a stage
     if one_barrier:
-        scratch += [plgpu.Barrier(num_arrivals=5, num_barriers=stages)]
+        scratch += [plgpu.Barrier(num_arrivals=copies, num_barriers=stages)]
     else:
-        scratch += [plgpu.Barrier(num_barriers=stages)] * 5
+        scratch += [plgpu.Barrier(num_barriers=stages)] * copies
     body = functools.partial(
         _kernel,
         bits=bits,
@@ -786,6 +856,8 @@ def decode_attention_lowbit_mgpu(
         one_barrier=one_barrier,
         words=words,
         overlap=overlap,
+        lop3=tune.mgpu_lowbit_words_lop3 if words_lop3 is None else bool(words_lop3),
+        bias_outside=bool(outside),
     )
     launch = decode_grid(
         body,
@@ -796,7 +868,7 @@ def decode_attention_lowbit_mgpu(
         interpret,
         auto_barriers=not lean,
     )
-    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, qt, *data)
+    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, qt, *data, bias)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits:  # [B, Hkv, P, 64, N] -> [B, Hkv, G, P·64]

@@ -144,6 +144,7 @@ def _kernel(
     pool_group: int = 0,
     stacked_batch: int = 0,
     k_pairs: bool = False,
+    rows: int = 0,
 ):
     # pool_group > 0: the slots are a pool shared by KV heads (`_triton_pooled.py`), q holds
     # every query head, row r belongs to KV head r // pool_group and sees only that head's slots.
@@ -164,7 +165,14 @@ def _kernel(
     qpos = qpos_ref[()]
     cdt = q_ref.dtype if quantized else k_ref.dtype
     # k_pairs: q's channels come ordered [even | odd], each half dotted with one byte of the pairs
-    halves = (q_ref[:, : d // 2], q_ref[:, d // 2 :]) if k_pairs else (q_ref[...],)
+    cols = (pl.ds(0, d // 2), pl.ds(d // 2, d // 2)) if k_pairs else (slice(None),)
+    if rows > gp:  # q's G rows as given (no pad before the launch): Gp rows, the rest zero
+        w = d // len(cols)
+        real = lax.broadcasted_iota(jnp.int32, (rows, w), 0) < gp
+        halves = tuple(plgpu.load(q_ref.at[pl.ds(0, rows), c], mask=real, other=0) for c in cols)
+        gp = rows
+    else:
+        halves = tuple(q_ref[:, c] for c in cols)
     if int8_qk:  # symmetric per query head: q ≈ q_scale · q8, |q8| <= 127
         qs, q_scale = rows_int8([h.astype(jnp.float32) for h in halves])
     else:
@@ -249,8 +257,11 @@ def head_spec(*block) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, *block), lambda b, h, s: (b, h) + (0,) * len(block))
 
 
-def split_out_shapes(q: Array, group: int, splits: int, slots: int, return_logits: bool):
-    """(out_shape, out_specs) of the kernels' outputs for a grid (B, Hkv, S).
+def split_out_shapes(
+    q: Array, group: int, splits: int, slots: int, return_logits: bool, rows: int | None = None
+):
+    """(out_shape, out_specs) of the kernels' outputs for a grid (B, Hkv, S); `rows`: Gp when
+    q itself is not padded (default: q's own rows).
 
     Outputs keep the Gp padded query rows (only the G real ones are ever written) so a tile is
     stored with one masked store; `partials` slices them off. The allocation is Gp/G times the
@@ -258,6 +269,7 @@ def split_out_shapes(q: Array, group: int, splits: int, slots: int, return_logit
     """
     del group
     b, hkv, gp, d = q.shape
+    gp = rows or gp
     shapes = [
         jax.ShapeDtypeStruct((b, hkv, splits, gp, d), jnp.float32),
         jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
@@ -272,9 +284,12 @@ def split_out_shapes(q: Array, group: int, splits: int, slots: int, return_logit
     return shapes, specs
 
 
-def partials(outs, group: int, return_logits: bool) -> Partials:
-    """The kernels' padded outputs as Partials of the G real query rows."""
+def partials(outs, group: int, return_logits: bool, padded: bool = False) -> Partials:
+    """The kernels' padded outputs as Partials of the G real query rows (`padded`: out and
+    lse keep the Gp rows, the padding ones never written, for `combine_triton`)."""
     logits = outs[2][:, :, :group] if return_logits else None
+    if padded:
+        return Partials(outs[0], outs[1], logits)
     return Partials(outs[0][:, :, :, :group], outs[1][..., :group], logits)
 
 
@@ -292,10 +307,12 @@ def launch(
     stages: int,
     interpret: bool,
     name: str,
+    padded: bool = False,
+    rows: int | None = None,
 ) -> Partials:
     """Runs `kernel` over the grid (B, Hkv, splits) with the split outputs of padded queries
     qp [B, Hkv, Gp, D] (and [Gp, slots] logits when asked) and returns its Partials."""
-    out_shape, out_specs = split_out_shapes(qp, group, splits, slots, return_logits)
+    out_shape, out_specs = split_out_shapes(qp, group, splits, slots, return_logits, rows)
     outs = pl.pallas_call(
         kernel,
         grid=(qp.shape[0], qp.shape[1], splits),
@@ -306,7 +323,7 @@ def launch(
         interpret=interpret,
         name=name,
     )(*arrays)
-    return partials(outs, group, return_logits)
+    return partials(outs, group, return_logits, padded)
 
 
 @functools.partial(
@@ -322,6 +339,7 @@ def launch(
         "v_words",
         "k_pairs",
         "interpret",
+        "padded",
     ),
 )
 def decode_attention_triton(
@@ -340,6 +358,7 @@ def decode_attention_triton(
     v_words: bool | None = None,
     k_pairs: bool | None = None,
     interpret: bool = False,
+    padded: bool = False,
 ) -> Partials:
     """One decode query per sequence attending one full-precision or INT8 tier.
 
@@ -369,9 +388,12 @@ def decode_attention_triton(
             stack [L, B, Hkv, ...] of L layers (extent stays this layer's [B, Hkv]) and the
             kernel reads layer `layer` in place, where slicing it out would copy it (a layer
             scan over a stacked cache). Not checked against L: the caller's loop index.
+        padded: out and lse keep the kernel's Gp >= G query rows (rows >= G never written):
+            what `combine_triton` reads without a copy of the G rows first.
 
     Returns:
-        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G], logits [B, Hkv, G, C] or None.
+        Partials with out [B, Hkv, S, G, D], lse [B, Hkv, S, G] (Gp rows if padded), logits
+        [B, Hkv, G, C] or None.
     """
     check_query(q, q_pos)
     _check_tier(tier, layer, q)
@@ -389,7 +411,9 @@ def decode_attention_triton(
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
-    qp = pad_group(q)
+    rows = max(16, pl.next_power_of_2(group))  # Gp, as `pad_group`
+    # A power-of-2 G is read as given, its Gp rows by a masked load (no pad launched first).
+    qp = q if group & (group - 1) == 0 and rows > group else pad_group(q)
     if k_pairs and not quantized:
         raise ValueError("k_pairs applies to an Int8Tier only (a FullTier has no int8 keys)")
     k_pairs = quantized and (tier.k.size >= BYTE_OFFSETS if k_pairs is None else bool(k_pairs))
@@ -427,6 +451,7 @@ def decode_attention_triton(
         int8_qk=int8_qk,
         v_words=v_words,
         k_pairs=k_pairs,
+        rows=rows,
         scale=scale,
         block_k=block_k,
         num_splits=splits,
@@ -447,6 +472,8 @@ def decode_attention_triton(
         stages=num_stages or tune.num_stages,
         interpret=interpret,
         name="kvjax_decode_int8" if quantized else "kvjax_decode_full",
+        padded=padded,
+        rows=rows,
     )
     if v_words:  # byte-major channels [4, D/4] → channel order 4c + b
         b_, h_, s_, g_, d_ = res.out.shape

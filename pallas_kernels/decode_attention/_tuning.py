@@ -56,6 +56,12 @@ class Tuning:
             copy (its own `commit_smem` barriers order every hazard).
         mgpu_lowbit_overlap: bit widths at which the low-bit kernel issues each page's QK dot
             together with the previous page's PV dots and waits for them once.
+        mgpu_lowbit_bias_outside: bit widths at which the folded low-bit kernel takes each
+            page's key bias computed by XLA before the launch instead of summing it in the loop.
+        fused_combine: whether `decode_attention` combines a lone full tier's Triton splits
+            with one kernel (`combine_triton`) instead of XLA's ops.
+        mgpu_lowbit_words_lop3: whether the words layout's code conversion is written as one
+            inline LOP3 a register (else an AND and an OR).
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
@@ -93,6 +99,9 @@ class Tuning:
     mgpu_lowbit_one_barrier: tuple[int, ...] = ()
     mgpu_lowbit_lean_barriers: tuple[int, ...] = ()
     mgpu_lowbit_overlap: tuple[int, ...] = ()
+    mgpu_lowbit_words_lop3: bool = False
+    mgpu_lowbit_bias_outside: tuple[int, ...] = ()
+    fused_combine: bool = True
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384

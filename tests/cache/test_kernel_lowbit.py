@@ -245,9 +245,11 @@ def test_a_tpu_refuses_the_kernel_layout_by_name(monkeypatch):
         attend(*args, implementation="pallas")
 
 
-def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place():
+@pytest.mark.parametrize("knobs", [{}, {"fold_keys": True, "bias_outside": True}])
+def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place(knobs):
     """`layer=` on a stack of three layers' kernel-layout pages gives exactly the call on that
-    layer's own arrays (the layer scan's read, without a slice of the stack)."""
+    layer's own arrays (the layer scan's read, without a slice of the stack); with the key
+    biases computed before the launch, from that layer's statistics."""
     from kvjax.pallas_kernels.decode_attention import ChannelMajorLowBitTier
     from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
 
@@ -262,8 +264,9 @@ def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place():
         return ChannelMajorLowBitTier(lb.k, lb.v, lb.k_stats, lb.v_stats, lb.pos, extent)
 
     run = lambda t, **kw: decode_attention_lowbit_mgpu(
-        q, t, q_pos, bits=4, scale=0.1, num_splits=2, return_logits=True, interpret=True, **kw
-    )
+        q, t, q_pos, bits=4, scale=0.1, num_splits=2, return_logits=True, interpret=True,
+        **knobs, **kw,
+    )  # fmt: skip
     want = run(tier(layers[1], layers[1]))
     got = run(tier(stack, layers[1]), layer=jnp.int32(1))
     for w, g in zip(want, got, strict=True):

@@ -100,7 +100,7 @@ def test_bench_kernel_rows_bytes_and_errors():
 
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
     rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes", "mgpu-int4-codes-auto+logits")
-    rows += ("mgpu-tm-bf16",)
+    rows += ("mgpu-tm-bf16", "pallas-bf16-fc", "pallas-int8-fc")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -130,6 +130,9 @@ def test_bench_kernel_rows_bytes_and_errors():
     assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
     # The slots-on-M Mosaic GPU kernel reads the full tier: K/V and an int32 position a slot.
     assert res["mgpu-tm-bf16"].bytes_read == bf16 + 2 * 64 * 4
+    # The fused combine reads the same tier (the partials are not counted in any row).
+    assert res["pallas-bf16-fc"].bytes_read == bf16 + 2 * 64 * 4
+    assert res["pallas-int8-fc"].bytes_read == bf16 // 2 + 2 * 64 * (4 + 4 + 4)
     # The pool holds the same slots: K/V, then an int32 position and owner id per slot.
     assert res["pallas-bf16-pooled"].bytes_read == bf16 + 2 * (2 * 64 * 4)
     # The Mosaic layouts (one 64-token page, value groups of 64): packed bytes or int4 arrays

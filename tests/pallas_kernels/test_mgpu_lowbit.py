@@ -136,8 +136,10 @@ class TestMgpuLowbit:
             (CASES[1], dict(return_logits=True, one_barrier=True)),
             (CASES[4], dict(one_barrier=True)),
             (CASES[1], dict(pages_per_step=2, lean_barriers=True)),
+            (CASES[1], dict(one_barrier=True, words_lop3=True)),
         ],
-        ids=["int4-g4-logits", "int2-g4-logits", "int4-g16", "int2-g4-two-pages-lean"],
+        ids=["int4-g4-logits", "int2-g4-logits", "int4-g16", "int2-g4-two-pages-lean",
+             "int2-g4-lop3"],
     )  # fmt: skip
     def test_words_layout_matches_float64(self, case, kw):
         """The words layout (`to_channel_major(words=True)`): each thread's codes by 128-bit
@@ -145,6 +147,23 @@ class TestMgpuLowbit:
         through q and the value scales, the 128 through the bias and the value zeros' tile;
         compiled, this checks the register order against the wgmma fragment."""
         self._check(case, "words", 3, **kw)
+
+    @pytest.mark.parametrize(
+        "case, native, kw",
+        [
+            (CASES[1], True, dict(int4_offset=True, one_barrier=True, return_logits=True)),
+            (CASES[1], "words", dict(one_barrier=True)),
+            (CASES[0], "words", dict(return_logits=True)),
+            (CASES[3], False, dict(pages_per_step=2)),
+        ],
+        ids=["int2codes-offset-logits", "int2-words", "int4-words-six-barriers",
+             "int2-g3-d64-two-pages"],
+    )  # fmt: skip
+    def test_key_bias_before_the_launch_matches_float64(self, case, native, kw):
+        """bias_outside=True: each page's key bias (the zeros on q, less the offset codes'
+        share) computed by XLA before the launch (`key_bias`) and copied with the page, one
+        barrier or one a copy; 3 splits."""
+        self._check(case, native, 3, fold_keys=True, bias_outside=True, **kw)
 
     @pytest.mark.parametrize(
         "case, native, kw",
@@ -310,6 +329,8 @@ def test_unsupported_input_gets_one_clear_error():
         run(q, t1, q_pos, bits=4, pages_per_step=2)
     with pytest.raises(ValueError, match="overlap needs pages_per_step=1, got 2"):
         run(q, tier, q_pos, bits=4, pages_per_step=2, overlap=True)
+    with pytest.raises(ValueError, match="bias_outside=True needs fold_keys"):
+        run(q, tier, q_pos, bits=4, fold_keys=False, bias_outside=True)
     words = to_channel_major(lowbit, 4, words=True)
     with pytest.raises(ValueError, match="the words layout needs fold_keys"):
         run(q, words, q_pos, bits=4, fold_keys=False)
@@ -354,6 +375,20 @@ def test_kernel_lowers_for_h200(bits, codes, logits, fold):
 )
 def test_overlapped_kernel_lowers_for_h200(bits, codes, fold):
     _lowers_for_h200(bits, codes, True, fold, overlap=True)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_words_kernel_lowers_with_either_conversion(bits):
+    _lowers_for_h200(bits, "words", False, "fold", words_lop3=True)
+
+
+@pytest.mark.parametrize(
+    "bits, codes, fold",
+    [(2, "words", "fold"), (2, "int4-wgmma", "fold+offset"), (4, "bytes", "fold+offset+lean")],
+)
+@pytest.mark.parametrize("one_barrier", [False, True])
+def test_kernel_with_key_bias_before_the_launch_lowers_for_h200(bits, codes, fold, one_barrier):
+    _lowers_for_h200(bits, codes, True, fold, bias_outside=True, one_barrier=one_barrier)
 
 
 def _lowers_for_h200(bits, codes, logits, fold, **kw):
