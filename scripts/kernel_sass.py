@@ -9,6 +9,9 @@ Usage: python scripts/kernel_sass.py ROW [KNOB=V ...] [--dump FILE]
   them since 2026-12-01; default float32, as the calibration ran): layout options, not kernel
   knobs. --dump FILE also writes the kernel's whole SASS to FILE and its Triton GPU IR (the
   layouts Triton chose) to FILE.ttgir.
+  ROW api-bf16 [BATCH]: every Triton kernel `decode_attention` launches for a lone bfloat16 full
+  tier (the attention kernel and `combine_triton`) at batch BATCH (default 8), each compiled and
+  its resources printed (registers, shared memory, SASS instructions).
 Needs a second Python with the `triton` package (its compiler targets sm_90 with no GPU), named
 by TRITON_PYTHON, e.g.: python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.9.0;
 TRITON_PYTHON=/tmp/tv/bin/python python scripts/kernel_sass.py pallas-int4 stack_pages=1
@@ -17,6 +20,7 @@ TRITON_PYTHON=/tmp/tv/bin/python python scripts/kernel_sass.py pallas-int4 stack
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +57,37 @@ B, HKV, G, D, S, PAGE, VG = 8, 8, 4, 128, 32768, 32, 32
 ROWS = {"pallas-bf16": None, "pallas-int8": 8, "pallas-int4": 4, "pallas-int2": 2}
 
 args = sys.argv[1:]
+
+
+def _compile(kernel: dict) -> str:
+    """The SASS of one kernel of `triton_ir` (compiled by TRITON_PYTHON's triton)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as kf:
+        kf.write(kernel["ttir"])
+    python = os.environ.get("TRITON_PYTHON", "python3")
+    out = subprocess.run(
+        [python, "-c", _COMPILE, kf.name, str(kernel["num_warps"]), str(kernel["num_stages"])],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode:
+        raise SystemExit(f"compiling with {python} (needs `triton`) failed:\n{out.stderr[-2000:]}")
+    return out.stdout, kf.name
+
+
+if args and args[0] == "api-bf16":
+    from kvjax.pallas_kernels.decode_attention import decode_attention
+
+    batch = int(args[1]) if len(args) > 1 else B
+    full = abstract_tiers(batch, HKV, D, S, S, S // PAGE, PAGE, VG, 2, jnp.bfloat16)[0]
+    q = jax.ShapeDtypeStruct((batch, HKV, G, D), jnp.bfloat16)
+    q_pos = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    api = lambda q, tier, p: decode_attention(q, p, full=tier, scale=D**-0.5)
+    for kernel in triton_ir(api, q, full, q_pos):
+        sass = _compile(kernel)[0]
+        res = [line.strip() for line in sass.splitlines() if "REG:" in line][:1]
+        count = len(re.findall(r"^\s*/\*[0-9a-f]{4}\*/", sass, re.M))
+        print(json.dumps(dict(kernel=kernel["name"], batch=batch, resources=res, sass=count)))
+    raise SystemExit(0)
 dump = None
 if "--dump" in args:
     at = args.index("--dump")
@@ -96,21 +131,11 @@ if knobs:
     raise SystemExit(f"unknown or inapplicable knobs for {row}: {sorted(knobs)}")
 kw |= dict(block_k=block, num_splits=num_splits(B, HKV, -(-S // block), tune.target_programs))
 [kernel] = triton_ir(functools.partial(fn, **kw), q, tier, q_pos)
-with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as kf:
-    kf.write(kernel["ttir"])
-python = os.environ.get("TRITON_PYTHON", "python3")
-out = subprocess.run(
-    [python, "-c", _COMPILE, kf.name, str(kernel["num_warps"]), str(kernel["num_stages"])],
-    capture_output=True,
-    text=True,
-)
-if out.returncode:
-    raise SystemExit(f"compiling with {python} (needs `triton`) failed:\n{out.stderr[-2000:]}")
-sass = out.stdout
+sass, ttir_path = _compile(kernel)
 if dump:  # the SASS, and the Triton GPU IR (layouts chosen) beside it
     with open(dump, "w") as f:
         f.write(sass)
-    os.replace(f"{kf.name}.ttgir", f"{dump}.ttgir")
+    os.replace(f"{ttir_path}.ttgir", f"{dump}.ttgir")
 res = [line.strip() for line in sass.splitlines() if "REG:" in line]
 stats = sass_loop_stats(sass, block)
 top = {k: round(v, 2) for k, v in list(stats["ops"].items())[:40]}

@@ -43,13 +43,14 @@ def _kernel(out_ref, lse_ref, o_ref, l_ref, *, splits: int, chunks: int):
     sp, dc = pl.next_power_of_2(splits), o_ref.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (sp,), 0)
     live = rows < splits
+    # Both loads first (neither waits on the other's reductions): one trip to memory.
+    part = plgpu.load(out_ref.at[pl.ds(0, sp), g, pl.ds(c * dc, dc)], mask=live[:, None], other=0.0)
     lse = plgpu.load(lse_ref.at[pl.ds(0, sp), g], mask=live, other=-jnp.inf)
     m = jnp.max(lse)
     m = jnp.where(m > -jnp.inf, m, 0.0)
     w = jnp.where(live, jnp.exp(lse - m), 0.0)  # -inf splits weigh 0
     den = jnp.sum(w)
     has = den > 0
-    part = plgpu.load(out_ref.at[pl.ds(0, sp), g, pl.ds(c * dc, dc)], mask=live[:, None], other=0.0)
     o_ref[...] = jnp.sum(w[:, None] * part, axis=0) / jnp.where(has, den, 1.0)
     l_ref[...] = jnp.full((1,), jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf))
 
