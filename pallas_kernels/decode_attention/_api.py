@@ -67,7 +67,10 @@ def decode_attention(
             combine_applies,
             combine_triton,
         )
-        from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
+        from kvjax.pallas_kernels.decode_attention._triton import (
+            decode_attention_triton,
+            partials,
+        )
 
         part = decode_attention_triton(
             q, full, q_pos, layer, scale=scale, block_k=block_k, num_splits=num_splits,
@@ -77,9 +80,8 @@ def decode_attention(
         logits = (part.logits,) if return_logits else ()
         if combine_applies(part.out.shape[2], q.shape[3]) is None:
             out, lse = combine_triton(part.out, part.lse, group, interpret=interpret)
-        else:
-            one = Partials(part.out[:, :, :, :group], part.lse[..., :group], None)
-            out, lse = combine([one])
+        else:  # the G real rows, combined by XLA
+            out, lse = combine([partials((part.out, part.lse), group, False)])
         return DecodeResult(out, lse, logits)
     parts = decode_partials(
         q, q_pos, full=full, int8=int8, lowbit=lowbit, bits=bits, scale=scale, backend=backend,

@@ -225,6 +225,11 @@ def _word_codes(
     return convert(x)
 
 
+def _code_offset(offset: bool, words: bool) -> float:
+    """What each code's operand adds to it: 136 (int4_offset), 128 (words), else nothing."""
+    return float(OFFSET) if offset else WORD_BASE if words else 0.0
+
+
 def key_bias(qt: Array, k_stats: Array, off: float) -> Array:
     """Each page's key bias for the folded keys, [B, Hkv, P, N] float32: Σ_c qt·zero less
     off·Σ_c bf16(qt·scale) (the offset codes' share of the B operand as the kernel rounds it),
@@ -322,9 +327,10 @@ def _kernel(
     else:
         q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
         bias_bar = None
+    # the page's key-bias copy waited on beside its key copies (its own barrier, if any)
+    bias_wait = (bias_bar,) if bias_outside and not one_barrier else ()
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
-    # what each code's operand adds to it: 136 (int4_offset), 128 (words), else nothing
-    off = float(OFFSET) if offset else WORD_BASE if words else 0.0
+    off = _code_offset(offset, words)
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     pages_cap = k_ref.shape[3]
@@ -383,8 +389,8 @@ def _kernel(
         """Every copy of a stage has landed (one barrier, or one a copy)."""
         for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar, vs_bar, v_bar):
             plgpu.barrier_wait(bar.at[slot])
-        if bias_outside and not one_barrier:
-            plgpu.barrier_wait(bias_bar.at[slot])
+        for bar in bias_wait:
+            plgpu.barrier_wait(bar.at[slot])
 
     def fold(slot, j):
         """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
@@ -525,10 +531,8 @@ def _kernel(
     def step(i, carry):
         acc, zt, m, l = carry
         slot = lax.rem(i - first, stages)
-        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
+        for bar in ((pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar)) + bias_wait:
             plgpu.barrier_wait(bar.at[slot])
-        if bias_outside and not one_barrier:
-            plgpu.barrier_wait(bias_bar.at[slot])
         biases = [fold(slot, j) for j in range(pp)] if fold_keys else None
         if fold_keys:
             plgpu.commit_smem()
@@ -792,8 +796,8 @@ def decode_attention_lowbit_mgpu(
     qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
     if words:  # each key channel's power of two (`word_factor`) divided out of q, exactly
         qt = qt / jnp.asarray(word_factor(bits, d))[None, None, :, None]
-    off = float(OFFSET) if offset else WORD_BASE if words else 0.0
     if outside:
+        off = _code_offset(offset, words)
         k_stats = tier.k_stats if layer is None else jnp.take(tier.k_stats, layer, axis=0)
         bias = key_bias(qt, k_stats, off)
     else:

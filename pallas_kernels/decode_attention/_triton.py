@@ -245,11 +245,15 @@ def _kernel(
     finish(o, m, l, o_ref, lse_ref, group)  # v_words: byte-major [4, D/4], reordered outside
 
 
+def padded_rows(group: int) -> int:
+    """Gp: the query rows the kernels' dots take, max(16, next power of 2 of G)."""
+    return max(16, pl.next_power_of_2(group))
+
+
 def pad_group(q: Array) -> Array:
-    """[B, Hkv, G, D] → [B, Hkv, Gp, D] with Gp = max(16, next power of 2 of G), zero rows."""
+    """[B, Hkv, G, D] → [B, Hkv, Gp, D] (`padded_rows`), zero rows."""
     g = q.shape[2]
-    gp = max(16, pl.next_power_of_2(g))
-    return jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    return jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows(g) - g), (0, 0)))
 
 
 def head_spec(*block) -> pl.BlockSpec:
@@ -411,7 +415,7 @@ def decode_attention_triton(
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]
     splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), tune.target_programs)
-    rows = max(16, pl.next_power_of_2(group))  # Gp, as `pad_group`
+    rows = padded_rows(group)
     # A power-of-2 G is read as given, its Gp rows by a masked load (no pad launched first).
     qp = q if group & (group - 1) == 0 and rows > group else pad_group(q)
     if k_pairs and not quantized:
