@@ -230,6 +230,15 @@ def _code_offset(offset: bool, words: bool) -> float:
     return float(OFFSET) if offset else WORD_BASE if words else 0.0
 
 
+def bias_rows(pp: int, cols: int) -> int:
+    """Rows of [cols] float32 a stage slot of the key biases holds: the pp pages' rounded up
+    to 128 bytes, so that every slot's TMA copy lands on a 128-byte-aligned address (at one
+    page of 8 columns a slot was 32 bytes, and the copies into slots past the first faulted
+    with a misaligned address)."""
+    per = 128 // (4 * cols)
+    return -(-pp // per) * per
+
+
 def key_bias(qt: Array, k_stats: Array, off: float) -> Array:
     """Each page's key bias for the folded keys, [B, Hkv, P, N] float32: Σ_c qt·zero less
     off·Σ_c bf16(qt·scale) (the offset codes' share of the B operand as the kernel rounds it),
@@ -309,7 +318,7 @@ def _kernel(
     ]
     if fold_keys:  # the B operand (q⊙scale)^T of each page of a step
         qs_smem, *stage = stage
-    if bias_outside:  # [stages, pp, N] f32: the pages' key biases, copied as their codes
+    if bias_outside:  # [stages, bias_rows, N] f32: the pages' key biases, copied with their codes
         bias_smem, *stage = stage
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
@@ -370,7 +379,8 @@ def _kernel(
             plgpu.copy_gmem_to_smem(pos_ref.at[at], pos_smem.at[slot], pos_bar.at[slot])
             if bias_outside:
                 bias_at = (b, h, pl.ds(start(i), pp))
-                plgpu.copy_gmem_to_smem(bias_ref.at[bias_at], bias_smem.at[slot], bias_bar.at[slot])
+                dst = bias_smem.at[slot, pl.ds(0, pp)]  # (a slot's rows past pp: alignment)
+                plgpu.copy_gmem_to_smem(bias_ref.at[bias_at], dst, bias_bar.at[slot])
 
     for j in range(stages):
         issue(first + j, j, first + j < last)
@@ -834,8 +844,8 @@ def decode_attention_lowbit_mgpu(
     ]
     if fold:  # (q⊙scale) of each page of a step, K-major as q_smem
         scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
-    if outside:
-        scratch += [plgpu.SMEM((stages, pp, cols), f32)]
+    if outside:  # each slot 128-byte aligned, as a TMA copy's shared-memory end needs
+        scratch += [plgpu.SMEM((stages, bias_rows(pp, cols), cols), f32)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)]

@@ -8,6 +8,7 @@ the middle is dormant, and sequence 1 has half its positions in its future.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -51,6 +52,9 @@ CASES = [
     Case(dtype="bfloat16", tiers="fp+int2", ratio=3, head_dim=64, cap=200),
     Case(dtype="bfloat16", tiers="fp+int4", ratio=16, head_dim=128, cap=200),
 ]
+
+# ~24 pages of INT2, G 4, D 128: about 8 pages a split at 3 splits
+LONG = dataclasses.replace(CASES[1], cap=1500)
 
 
 def _seed(*parts) -> int:
@@ -155,14 +159,17 @@ class TestMgpuLowbit:
             (CASES[1], "words", dict(one_barrier=True)),
             (CASES[0], "words", dict(return_logits=True)),
             (CASES[3], False, dict(pages_per_step=2)),
+            (LONG, "words", dict(one_barrier=True)),
+            (LONG, True, dict(int4_offset=True, stages=3)),
         ],
         ids=["int2codes-offset-logits", "int2-words", "int4-words-six-barriers",
-             "int2-g3-d64-two-pages"],
+             "int2-g3-d64-two-pages", "int2-words-long", "int2codes-offset-long-3-stages"],
     )  # fmt: skip
     def test_key_bias_before_the_launch_matches_float64(self, case, native, kw):
         """bias_outside=True: each page's key bias (the zeros on q, less the offset codes'
         share) computed by XLA before the launch (`key_bias`) and copied with the page, one
-        barrier or one a copy; 3 splits."""
+        barrier or one a copy; 3 splits. The long cases read ~8 pages a split, so every stage
+        slot of the biases takes copies (a slot not 128-byte aligned faulted on the GPU)."""
         self._check(case, native, 3, fold_keys=True, bias_outside=True, **kw)
 
     @pytest.mark.parametrize(
