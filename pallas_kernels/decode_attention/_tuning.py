@@ -101,7 +101,10 @@ class Tuning:
     mgpu_lowbit_overlap: tuple[int, ...] = ()
     mgpu_lowbit_words_lop3: bool = False
     mgpu_lowbit_bias_outside: tuple[int, ...] = ()
-    fused_combine: bool = True
+    # Off: timed no faster than XLA's combine (B = 1, 32K: 69.3 / 69.2 / 70.8 / 73.5 against
+    # 67.9 / 67.0 / 73.2 / 70.4 us; B = 8 INT8 234.8 / 242.8 against 229.1 / 228.5; H100,
+    # 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
+    fused_combine: bool = False
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384
@@ -154,6 +157,11 @@ _HOPPER = Tuning(
     mgpu_lowbit_target_programs=512,
     mgpu_lowbit_int4_offset=(2,),
     mgpu_lowbit_one_barrier=(2,),
+    # The words layout's AND-OR as one inline LOP3 a register (ptxas made it two): B = 8, three
+    # interleaved pairs, INT4 227.6-228.2 -> 203.3-212.0 us at 32K and 417.4-429.9 -> 395.8-401.4
+    # at 64K; INT2 159.8-172.2 -> 148.5-156.6 and 307.3-309.9 -> 268.3-280.5 (H100, 2026-12-06;
+    # docs/lab/2026-12-06-h100-words-lop3.md).
+    mgpu_lowbit_words_lop3=True,
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,
