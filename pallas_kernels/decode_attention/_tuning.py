@@ -101,10 +101,10 @@ class Tuning:
     mgpu_lowbit_overlap: tuple[int, ...] = ()
     mgpu_lowbit_words_lop3: bool = False
     mgpu_lowbit_bias_outside: tuple[int, ...] = ()
-    # Off: timed no faster than XLA's combine (B = 1, 32K: 69.3 / 69.2 / 70.8 / 73.5 against
-    # 67.9 / 67.0 / 73.2 / 70.4 us; B = 8 INT8 234.8 / 242.8 against 229.1 / 228.5; H100,
-    # 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
-    fused_combine: bool = False
+    # On: at B = 1, 32K its one launch (2.76 us) replaces XLA's three (5.5 us), kernels 58.7 ->
+    # 56.3 us a call in a profiler trace; the timed loop moved more run to run (67.0-73.2 against
+    # 69.2-73.5 us); B = 8 BF16 equal (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
+    fused_combine: bool = True
     mgpu_tm_stages: int = 4
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384
