@@ -35,7 +35,7 @@ ROWS = (
     "pallas-bf16", "pallas-bf16-fc", "pallas-bf16+logits", "pallas-bf16-pooled",
     "pallas-bf16-pooled+logits",
     "pallas-int8", "pallas-int8-fc", "pallas-int4", "pallas-int2",
-    "pallas-int4-f32stats", "pallas-int2-f32stats",
+    "pallas-int4-f32stats", "pallas-int2-f32stats", "pallas-int4+logits", "pallas-int2+logits",
     "mgpu-bf16", "mgpu-bf16+logits", "mgpu-int8", "mgpu-int4", "mgpu-int2",
     "mgpu-int4-codes", "mgpu-int4-codes-wgmma", "mgpu-int4-codes-auto",
     "mgpu-int2-codes", "mgpu-int2-codes-wgmma", "mgpu-int2-codes-auto",
@@ -242,8 +242,9 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
                 )
             else:
                 p = da.decode_attention_lowbit_triton(
-                    grouped(q), tier, q_pos, bits=bits, scale=scale, **knobs
-                )
+                    grouped(q), tier, q_pos, bits=bits, scale=scale, return_logits=logits,
+                    **knobs,
+                )  # fmt: skip
             if join:  # the partials and a new token in one launch, as a decode step merges them
                 valid = jnp.ones((b,), bool)
                 o, _, _ = da.join_new_token([p], grouped(q), *new_kv, valid, scale=scale)
@@ -276,7 +277,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
         return lambda: (ours(**kw), *once("pool", build))
 
-    def lowbit(bits: int, f32stats: bool):
+    def lowbit(bits: int, f32stats: bool, logits: bool = False):
         def build():
             k, v = kv()
             pages = s // page
@@ -290,7 +291,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         if f32stats:  # the same codes and statistics held as float32: the layout before 2026-12-01
             arrays = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
-        return ours(bits=bits), tier, _nbytes(*arrays)
+        return ours(bits=bits, logits=logits), tier, _nbytes(*arrays)
 
     def mgpu_lowbit(bits: int, native=False, load: str = "upcast2x", logits=False):
         # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
@@ -344,6 +345,9 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)
         cases[f"pallas-int{bits}-f32stats"] = functools.partial(lowbit, bits, True)
+        # with the per-slot logits, as QEvict's low-bit tier reads (its 8-token windows:
+        # --page 8 --value-group 128)
+        cases[f"pallas-int{bits}+logits"] = functools.partial(lowbit, bits, False, True)
         cases[f"mgpu-int{bits}"] = functools.partial(mgpu_lowbit, bits)
         # int4 arrays (`to_channel_major(native=True)`), each way of loading them (INT4_LOADS)
         for load, suffix in (("upcast2x", ""), ("wgmma", "-wgmma"), ("auto", "-auto")):
