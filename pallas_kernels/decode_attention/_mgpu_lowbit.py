@@ -230,13 +230,14 @@ def _code_offset(offset: bool, words: bool) -> float:
     return float(OFFSET) if offset else WORD_BASE if words else 0.0
 
 
-def bias_rows(pp: int, cols: int) -> int:
-    """Rows of [cols] float32 a stage slot of the key biases holds: the pp pages' rounded up
-    to 128 bytes, so that every slot's TMA copy lands on a 128-byte-aligned address (at one
-    page of 8 columns a slot was 32 bytes, and the copies into slots past the first faulted
-    with a misaligned address)."""
-    per = 128 // (4 * cols)
-    return -(-pp // per) * per
+BIAS_BOX = 256  # most pages one TMA copy of the key biases takes (a TMA box's largest side)
+BIAS_SMEM = 16384  # most bytes of key biases a split holds in shared memory
+
+
+def bias_pages(steps: int, splits: int, pp: int) -> int:
+    """The most pages one split reads (its key biases copied at once, `bias_outside`): the
+    splits' even share of the steps, in pages."""
+    return -(-steps // splits) * pp
 
 
 def key_bias(qt: Array, k_stats: Array, off: float) -> Array:
@@ -286,7 +287,8 @@ def _kernel(
     ks_ref,  # [L, B, Hkv, P, 2, D] bf16 kernel-ready key statistics
     vs_ref,  # [L, B, Hkv, P, 2, NG, 64] bf16 kernel-ready value statistics
     pos_ref,  # [L, B, Hkv, P, 64] int32
-    bias_ref,  # bias_outside: [B, Hkv, P, N] f32, each page's key bias (`key_bias`); else unused
+    bias_ref,  # bias_outside: [B, Hkv, P + MP, N] f32, each page's key bias (`key_bias`; MP
+    # pages of zeros past the end, so a split's one copy of MP pages stays inside); else unused
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, P, 64, N] f32 (return_logits; pages >= extent never written),
@@ -318,7 +320,7 @@ def _kernel(
     ]
     if fold_keys:  # the B operand (q⊙scale)^T of each page of a step
         qs_smem, *stage = stage
-    if bias_outside:  # [stages, bias_rows, N] f32: the pages' key biases, copied with their codes
+    if bias_outside:  # [MP, N] f32: the split's pages' key biases, copied once before its loop
         bias_smem, *stage = stage
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
@@ -328,16 +330,14 @@ def _kernel(
     else:
         ka_smem = va_smem = None
         bars = stage
-    if one_barrier:  # every copy of a stage arrives on one barrier (5 arrivals; 6 with biases)
-        q_bar, page_bar = bars
-        k_bar = v_bar = ks_bar = vs_bar = pos_bar = bias_bar = page_bar
-    elif bias_outside:
-        q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar, bias_bar = bars
+    q_bar, *bars = bars
+    if bias_outside:  # the split's key biases: one barrier, an arrival a copy
+        bias_bar, *bars = bars
+    if one_barrier:  # every copy of a stage arrives on one barrier (5 arrivals)
+        (page_bar,) = bars
+        k_bar = v_bar = ks_bar = vs_bar = pos_bar = page_bar
     else:
-        q_bar, k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
-        bias_bar = None
-    # the page's key-bias copy waited on beside its key copies (its own barrier, if any)
-    bias_wait = (bias_bar,) if bias_outside and not one_barrier else ()
+        k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
     off = _code_offset(offset, words)
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -377,14 +377,21 @@ def _kernel(
             plgpu.copy_gmem_to_smem(ks_ref.at[at], ks_smem.at[slot], ks_bar.at[slot])
             plgpu.copy_gmem_to_smem(vs_ref.at[at], vs_smem.at[slot], vs_bar.at[slot])
             plgpu.copy_gmem_to_smem(pos_ref.at[at], pos_smem.at[slot], pos_bar.at[slot])
-            if bias_outside:
-                bias_at = (b, h, pl.ds(start(i), pp))
-                dst = bias_smem.at[slot, pl.ds(0, pp)]  # (a slot's rows past pp: alignment)
-                plgpu.copy_gmem_to_smem(bias_ref.at[bias_at], dst, bias_bar.at[slot])
 
+    base = start(first)  # the split's first page (its biases from here)
+    if bias_outside:  # every page's bias of the split at once, in boxes of BIAS_BOX pages
+        mp = bias_smem.shape[0]
+        for c0 in range(0, mp, BIAS_BOX):
+            n_c = min(BIAS_BOX, mp - c0)
+            plgpu.copy_gmem_to_smem(
+                bias_ref.at[b, h, pl.ds(base + c0, n_c)], bias_smem.at[pl.ds(c0, n_c)],
+                bias_bar.at[0],
+            )  # fmt: skip
     for j in range(stages):
         issue(first + j, j, first + j < last)
     plgpu.barrier_wait(q_bar.at[0])
+    if bias_outside:
+        plgpu.barrier_wait(bias_bar.at[0])
 
     def operand(x, stage_ref):
         """A [64, K] bfloat16 tile as a wgmma A operand: registers, or shared memory under the
@@ -399,10 +406,8 @@ def _kernel(
         """Every copy of a stage has landed (one barrier, or one a copy)."""
         for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar, vs_bar, v_bar):
             plgpu.barrier_wait(bar.at[slot])
-        for bar in bias_wait:
-            plgpu.barrier_wait(bar.at[slot])
 
-    def fold(slot, j):
+    def fold(slot, j, i):
         """Page j's key statistics on q: (q⊙scale)^T [D, N] stored as the QK dot's B
         operand, and each column's Σ_c q·zero (less the offset codes' share of the stored,
         rounded q⊙scale) as a float32 [N]: S = codes·(q⊙scale)^T + bias."""
@@ -418,7 +423,9 @@ def _kernel(
         qs = (qt * st[0]).astype(jnp.bfloat16)
         qs_smem.at[j].T[...] = qs
         if bias_outside:  # computed before the launch (`key_bias`): no sum across warps
-            return plgpu.load(bias_smem.at[slot, j], layout=col, optimized=True)
+            at = jnp.minimum(start(i) - base + j, bias_smem.shape[0] - 1)  # (in range on a
+            # last overlapped turn, which reads no page)
+            return plgpu.load(bias_smem.at[at], layout=col, optimized=True)
         return (qt * st[1] - off * qs.astype(jnp.float32)).sum(axis=0)
 
     def qk_issue(slot, j, s_ref):
@@ -541,9 +548,9 @@ def _kernel(
     def step(i, carry):
         acc, zt, m, l = carry
         slot = lax.rem(i - first, stages)
-        for bar in ((pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar)) + bias_wait:
+        for bar in (pos_bar,) if one_barrier else (pos_bar, ks_bar, k_bar):
             plgpu.barrier_wait(bar.at[slot])
-        biases = [fold(slot, j) for j in range(pp)] if fold_keys else None
+        biases = [fold(slot, j, i) for j in range(pp)] if fold_keys else None
         if fold_keys:
             plgpu.commit_smem()
 
@@ -583,7 +590,7 @@ def _kernel(
         def _():
             wait_all(slot)
 
-        biases = [fold(slot, 0)] if fold_keys else None
+        biases = [fold(slot, 0, i)] if fold_keys else None
         if fold_keys:
             plgpu.commit_smem()
 
@@ -723,9 +730,10 @@ def decode_attention_lowbit_mgpu(
             same values). Default: the device's Tuning.mgpu_lowbit_words_lop3.
         bias_outside: with fold_keys, each page's key bias (Σ_c q·zero, less the offset codes'
             share of the rounded q⊙scale) is computed by XLA before the launch (`key_bias`,
-            reading the key statistics once more) and copied with the page, instead of summed
-            across the warpgroup's warps in the loop. Default: whether the device's
-            Tuning.mgpu_lowbit_bias_outside names these bits.
+            reading the key statistics once more) and a split's biases copied to shared
+            memory once, before its loop, instead of summed across the warpgroup's warps in
+            the loop (a split's pages × N × 4 bytes must fit 16 KiB). Default: whether the
+            device's Tuning.mgpu_lowbit_bias_outside names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -801,6 +809,13 @@ def decode_attention_lowbit_mgpu(
         )
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
+    mp = bias_pages(steps, splits, pp)  # a split's most pages: its biases in shared memory
+    if outside and mp * cols * 4 > BIAS_SMEM:
+        raise ValueError(
+            f"decode attention (Mosaic GPU low-bit): bias_outside=True holds a split's key "
+            f"biases in shared memory, {mp} pages x {cols} columns x 4 bytes > {BIAS_SMEM}: "
+            "use more splits (num_splits) or bias_outside=False"
+        )
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
     # fold_keys: q^T in float32 for the per-page products; else a placeholder never read
     qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
@@ -809,7 +824,9 @@ def decode_attention_lowbit_mgpu(
     if outside:
         off = _code_offset(offset, words)
         k_stats = tier.k_stats if layer is None else jnp.take(tier.k_stats, layer, axis=0)
-        bias = key_bias(qt, k_stats, off)
+        # MP pages of zeros past the end: a split's one copy of MP pages from its first page
+        # stays inside the array (the pages past its own are never read)
+        bias = jnp.pad(key_bias(qt, k_stats, off), ((0, 0), (0, 0), (0, mp), (0, 0)))
     else:
         bias = jnp.zeros((1,), jnp.float32)  # a placeholder never read
     f32 = jnp.float32
@@ -844,12 +861,14 @@ def decode_attention_lowbit_mgpu(
     ]
     if fold:  # (q⊙scale) of each page of a step, K-major as q_smem
         scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
-    if outside:  # each slot 128-byte aligned, as a TMA copy's shared-memory end needs
-        scratch += [plgpu.SMEM((stages, bias_rows(pp, cols), cols), f32)]
+    if outside:  # the split's pages' biases, copied once before its loop
+        scratch += [plgpu.SMEM((mp, cols), f32)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)]
-    copies = 6 if outside else 5  # TMA copies a stage
+    if outside:  # the biases' copies (one a BIAS_BOX pages) arrive on one barrier
+        scratch += [plgpu.Barrier(num_arrivals=-(-mp // BIAS_BOX), num_barriers=1)]
+    copies = 5  # TMA copies a stage
     if one_barrier:
         scratch += [plgpu.Barrier(num_arrivals=copies, num_barriers=stages)]
     else:

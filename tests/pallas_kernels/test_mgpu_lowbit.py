@@ -161,15 +161,17 @@ class TestMgpuLowbit:
             (CASES[3], False, dict(pages_per_step=2)),
             (LONG, "words", dict(one_barrier=True)),
             (LONG, True, dict(int4_offset=True, stages=3)),
+            (LONG, "words", dict(overlap=True, one_barrier=True)),
         ],
         ids=["int2codes-offset-logits", "int2-words", "int4-words-six-barriers",
-             "int2-g3-d64-two-pages", "int2-words-long", "int2codes-offset-long-3-stages"],
+             "int2-g3-d64-two-pages", "int2-words-long", "int2codes-offset-long-3-stages",
+             "int2-words-long-overlapped"],
     )  # fmt: skip
     def test_key_bias_before_the_launch_matches_float64(self, case, native, kw):
         """bias_outside=True: each page's key bias (the zeros on q, less the offset codes'
-        share) computed by XLA before the launch (`key_bias`) and copied with the page, one
-        barrier or one a copy; 3 splits. The long cases read ~8 pages a split, so every stage
-        slot of the biases takes copies (a slot not 128-byte aligned faulted on the GPU)."""
+        share) computed by XLA before the launch (`key_bias`), a split's biases copied to
+        shared memory once before its loop; one barrier or one a copy; 3 splits. The long
+        cases read ~8 pages a split (one overlapped: its last turn reads no page)."""
         self._check(case, native, 3, fold_keys=True, bias_outside=True, **kw)
 
     @pytest.mark.parametrize(
@@ -312,6 +314,25 @@ def test_int4_codes_at_two_bits_need_d128_and_value_groups_of_64():
     lowbit = make_tiers(small, 1, page=MGPU_LOWBIT_PAGE, value_group=64)[4]
     with pytest.raises(ValueError, match="D = 128 and value groups of 64"):
         to_channel_major(lowbit, 2, native=True)
+
+
+def test_key_biases_past_their_shared_memory_get_one_clear_error(monkeypatch):
+    """bias_outside=True holds a split's key biases in shared memory: more than fit is
+    refused, naming the pages, the columns and the bound."""
+    from kvjax.pallas_kernels.decode_attention import _mgpu_lowbit
+
+    case = Case(dtype="bfloat16", tiers="fp+int2", ratio=4, head_dim=128, cap=130)
+    q, q_pos, tier, _ = _tiers(case, 2, native=True)
+    monkeypatch.setattr(_mgpu_lowbit, "BIAS_SMEM", 64)
+    jax.clear_caches()  # the bound is read when the call is traced
+    try:
+        with pytest.raises(ValueError, match=r"3 pages x 8 columns x 4 bytes > 64"):
+            decode_attention_lowbit_mgpu(
+                q, tier, q_pos, bits=2, scale=0.1, num_splits=1, fold_keys=True,
+                bias_outside=True, interpret=True,
+            )  # fmt: skip
+    finally:
+        jax.clear_caches()
 
 
 def test_unsupported_input_gets_one_clear_error():
