@@ -59,8 +59,9 @@ ROWS = {"pallas-bf16": None, "pallas-int8": 8, "pallas-int4": 4, "pallas-int2": 
 args = sys.argv[1:]
 
 
-def _compile(kernel: dict) -> str:
-    """The SASS of one kernel of `triton_ir` (compiled by TRITON_PYTHON's triton)."""
+def _compile(kernel: dict) -> tuple[str, str]:
+    """(SASS, path of its Triton IR file) of one kernel of `triton_ir`, compiled by
+    TRITON_PYTHON's triton (the Triton GPU IR it chose is written beside that file)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as kf:
         kf.write(kernel["ttir"])
     python = os.environ.get("TRITON_PYTHON", "python3")
