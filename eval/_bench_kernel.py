@@ -30,6 +30,11 @@ from kvjax.eval._bench import copy_bandwidth
 from kvjax.pallas_kernels import decode_attention as da
 from kvjax.quant import pack, quantize_int8, quantize_per_channel, quantize_per_token
 
+# Calls per timed loop. Each loop also pays a fixed cost (dispatching the jitted loop, waiting
+# for it): about 0.38 ms on an H100, which at 20 calls added 17 µs to each call of a B = 1 row
+# (docs/lab/2026-12-06-h100-timing-loop.md); at 200, under 2 µs.
+ITERS = 200
+
 ROWS = (
     "copy", "cudnn-bf16", "xla-bf16", "xla-dequant-int8",
     "pallas-bf16", "pallas-bf16-fc", "pallas-bf16+logits", "pallas-bf16-pooled",
@@ -63,6 +68,7 @@ class KernelBench:
     build_s: float | None = None  # building the row's arrays (random K/V, quantizing) this time
     first_s: float | None = None  # the first timed loop: tracing, compiling, `iters` calls
     unroll: int = 1  # calls per iteration of the timed loop
+    iters: int = ITERS  # calls per timed loop
     error: str | None = None
 
 
@@ -108,6 +114,10 @@ _ROW_KNOBS = {
         "Mosaic GPU low-bit",
     ),
     "words_lop3": (lambda r: r.startswith("mgpu-int") and "-words" in r, "Mosaic GPU words"),
+    "tc_bias": (
+        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
+        "Mosaic GPU low-bit",
+    ),
     "lean_barriers": (
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",
@@ -375,7 +385,7 @@ def bench_kernel(
     page: int = 32,
     value_group: int = 32,
     rows: tuple[str, ...] = ROWS,
-    iters: int = 20,
+    iters: int = ITERS,
     repeats: int = 5,
     unroll: int = 1,
     sweep: tuple[dict, ...] = (),
@@ -399,7 +409,7 @@ def bench_kernel(
             raise ValueError(f"sweep knob {knob} applies to the {label} rows only, not {wrong}")
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
-    shape.update(head_dim=head_dim, device=dev, unroll=unroll)
+    shape.update(head_dim=head_dim, device=dev, unroll=unroll, iters=iters)
     key = jax.random.key(0)
     cases = _cases(batch, context, q_heads, kv_heads, head_dim, page, value_group, key)
     q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)

@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 
 def _register_kernel(bsub) -> None:
-    from kvjax.eval._bench_kernel import ROWS
+    from kvjax.eval._bench_kernel import ITERS, ROWS
 
     k = bsub.add_parser("kernel", help="decode-attention kernels vs cuDNN / XLA (µs, TB/s)")
     k.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -63,7 +63,12 @@ def _register_kernel(bsub) -> None:
     k.add_argument("--page", type=int, default=32, help="tokens per low-bit page")
     k.add_argument("--value-group", type=int, default=32, help="channels per value scale")
     k.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    k.add_argument("--iters", type=int, default=20, help="calls per timed loop")
+    k.add_argument(
+        "--iters",
+        type=int,
+        default=ITERS,
+        help="calls per timed loop (each loop's fixed dispatch cost falls on all of them)",
+    )
     k.add_argument("--repeats", type=int, default=5, help="timed loops (median)")
     k.add_argument(
         "--unroll",

@@ -313,6 +313,7 @@ def _kernel(
     overlap: bool = False,
     lop3: bool = True,
     bias_outside: bool = False,
+    tc_bias: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -322,6 +323,8 @@ def _kernel(
         qs_smem, *stage = stage
     if bias_outside:  # [MP, N] f32: the split's pages' key biases, copied once before its loop
         bias_smem, *stage = stage
+    if tc_bias:  # [N, D] bf16: q^T as the zero rows' B operand (q over the words' powers of two)
+        qz_smem, *stage = stage
     # native: int4 codes (`to_channel_major(native=True)`), converted by Mosaic GPU's int4 →
     # bfloat16 path (permute, mask-or, subtract: no conversion instruction); 4/bits slices a
     # nibble.
@@ -362,6 +365,11 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     if fold_keys:  # q^T [D, N] in registers for the whole loop (N·D/128 floats a thread)
         qt = plgpu.load(qt_ref.at[b, h], layout=plgpu.Layout.WGMMA, optimized=False)
+    if tc_bias:  # exact in bfloat16: q is, and the words' factors are powers of two
+        qz_smem.T[...] = qt.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        # -off in every element: its dot against (q⊙scale)^T is -off·Σ_c bf16(q⊙scale)
+        minus_off = plgpu.layout_cast(jnp.full((PAGE, d), -off, jnp.bfloat16), plgpu.Layout.WGMMA)
 
     def start(i):
         """The first page step i copies: i·pp, moved back to stay inside the P pages when P is
@@ -418,15 +426,28 @@ def _kernel(
                 qt.shape,
                 [0],
             )
-            for t in range(1 if bias_outside else 2)
+            for t in range(1 if bias_outside or tc_bias else 2)
         ]
         qs = (qt * st[0]).astype(jnp.bfloat16)
         qs_smem.at[j].T[...] = qs
+        if tc_bias:  # the bias comes from the QK dots themselves (`tc_bias_dots`)
+            return None
         if bias_outside:  # computed before the launch (`key_bias`): no sum across warps
             at = jnp.minimum(start(i) - base + j, bias_smem.shape[0] - 1)  # (in range on a
             # last overlapped turn, which reads no page)
             return plgpu.load(bias_smem.at[at], layout=col, optimized=True)
         return (qt * st[1] - off * qs.astype(jnp.float32)).sum(axis=0)
+
+    def tc_bias_dots(slot, j, s_ref):
+        """The key bias of page j added to S by two more dots into s_ref: the constant -off
+        tile against (q⊙scale)^T (the offset codes' share, -off·Σ_c bf16(q⊙scale), exact) and
+        the page's zero row in every row of A against q^T (Σ_c q·zero): no sum across the
+        warpgroup's warps, and each product exact in float32."""
+        if off:
+            plgpu.wgmma(s_ref, operand(minus_off, ka_smem), qs_smem.at[j].T)
+        zero = plgpu.load(ks_smem.at[slot, j, 1], layout=col, optimized=True)
+        rows = lax.broadcast_in_dim(zero, (PAGE, d), [1])  # [64 tokens, D], each row the zeros
+        plgpu.wgmma(s_ref, operand(rows, ka_smem), qz_smem.T)
 
     def qk_issue(slot, j, s_ref):
         """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys)."""
@@ -434,6 +455,8 @@ def _kernel(
             kc = _load_words(k_smem.at[slot, j], interpret)
             keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3)  # [64 tokens, D]
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+            if tc_bias:
+                tc_bias_dots(slot, j, s_ref)
             return
         # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
         kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
@@ -459,6 +482,8 @@ def _kernel(
         keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
         if fold_keys:
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
+            if tc_bias:
+                tc_bias_dots(slot, j, s_ref)
         else:
             plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
 
@@ -496,7 +521,8 @@ def _kernel(
         ss, keep = list(ss), []
         for j in range(pp):
             s = ss[j]
-            if fold_keys:  # each column's share of the zeros (and of the codes' offset)
+            if fold_keys and biases[j] is not None:  # each column's share of the zeros (and
+                # of the codes' offset); with tc_bias the dots added it
                 s = s + lax.broadcast_in_dim(biases[j], s.shape, [1])
             pos = plgpu.load(pos_smem.at[slot, j], layout=row, optimized=True)
             if valid is not None:  # a vector of `valid` in the rows' layout
@@ -655,6 +681,7 @@ def _kernel(
         "overlap",
         "words_lop3",
         "bias_outside",
+        "tc_bias",
         "interpret",
     ),
 )
@@ -677,6 +704,7 @@ def decode_attention_lowbit_mgpu(
     overlap: bool | None = None,
     words_lop3: bool | None = None,
     bias_outside: bool | None = None,
+    tc_bias: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -734,6 +762,12 @@ def decode_attention_lowbit_mgpu(
             memory once, before its loop, instead of summed across the warpgroup's warps in
             the loop (a split's pages × N × 4 bytes must fit 16 KiB). Default: whether the
             device's Tuning.mgpu_lowbit_bias_outside names these bits.
+        tc_bias: with fold_keys, each page's key bias is added to S by the tensor cores, in the
+            QK dot's accumulator: a constant -offset A tile against the stored (q⊙scale)^T
+            (the offset codes' share, exact: the codes' offset is a bfloat16 integer) and the
+            page's zero row repeated in every A row against q^T (stored once a call), instead
+            of the float32 sum across the warpgroup's warps. Not with bias_outside. Default:
+            whether the device's Tuning.mgpu_lowbit_tc_bias names these bits.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -807,6 +841,20 @@ def decode_attention_lowbit_mgpu(
             "decode attention (Mosaic GPU low-bit): bias_outside=True needs fold_keys (the bias"
             " is the folded keys' zeros on q)"
         )
+    if tc_bias is None:  # a Tuning's choice applies where it can
+        tc = bits in tune.mgpu_lowbit_tc_bias and fold and not outside
+    else:
+        tc = bool(tc_bias)
+    if tc and not fold:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): tc_bias=True needs fold_keys (the bias is "
+            "the folded keys' zeros on q)"
+        )
+    if tc and outside:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): tc_bias=True and bias_outside=True are two "
+            "ways to the same key bias: pick one"
+        )
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
     mp = bias_pages(steps, splits, pp)  # a split's most pages: its biases in shared memory
@@ -863,6 +911,8 @@ def decode_attention_lowbit_mgpu(
         scratch += [smem_tile((pp, cols, d), jnp.bfloat16)]
     if outside:  # the split's pages' biases, copied once before its loop
         scratch += [plgpu.SMEM((mp, cols), f32)]
+    if tc:  # q^T (over the words' powers of two) as bfloat16, K-major as q_smem
+        scratch += [smem_tile((cols, d), jnp.bfloat16)]
     if interpret:
         scratch += [smem_tile((PAGE, d), jnp.bfloat16), smem_tile((64, PAGE), jnp.bfloat16)]
     scratch += [plgpu.Barrier(num_barriers=1)]
@@ -891,6 +941,7 @@ def decode_attention_lowbit_mgpu(
         overlap=overlap,
         lop3=tune.mgpu_lowbit_words_lop3 if words_lop3 is None else bool(words_lop3),
         bias_outside=bool(outside),
+        tc_bias=tc,
     )
     launch = decode_grid(
         body,

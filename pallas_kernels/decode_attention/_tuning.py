@@ -58,6 +58,9 @@ class Tuning:
             together with the previous page's PV dots and waits for them once.
         mgpu_lowbit_bias_outside: bit widths at which the folded low-bit kernel takes each
             page's key bias computed by XLA before the launch instead of summing it in the loop.
+        mgpu_lowbit_tc_bias: bit widths at which the folded low-bit kernel adds each page's
+            key bias by two more tensor-core dots (a constant -offset tile, the zero row
+            repeated) instead of summing it across the warpgroup's warps.
         fused_combine: whether `decode_attention` combines a lone full tier's Triton splits
             with one kernel (`combine_triton`) instead of XLA's ops.
         mgpu_lowbit_words_lop3: whether the words layout's code conversion is written as one
@@ -101,6 +104,7 @@ class Tuning:
     mgpu_lowbit_overlap: tuple[int, ...] = ()
     mgpu_lowbit_words_lop3: bool = False
     mgpu_lowbit_bias_outside: tuple[int, ...] = ()
+    mgpu_lowbit_tc_bias: tuple[int, ...] = ()
     # On: at B = 1, 32K its one launch (2.76 us) replaces XLA's three (5.5 us), kernels 58.7 ->
     # 56.3 us a call in a profiler trace; the timed loop moved more run to run (67.0-73.2 against
     # 69.2-73.5 us); B = 8 BF16 equal (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).

@@ -167,7 +167,7 @@ def test_timed_loop_unrolled_is_the_same_chain_of_calls():
         assert loop.lower(q, w).as_text().count("stablehlo.tanh") == unroll
         sec, first = _timed(lambda q, data: jnp.tanh(q * data), q, w, 4, 1, unroll)
         assert sec > 0 and first > 0
-    with pytest.raises(ValueError, match="unroll must be a positive divisor of iters=20, got 3"):
+    with pytest.raises(ValueError, match="unroll must be a positive divisor of iters=200, got 3"):
         bench_kernel(batch=1, context=64, rows=(), unroll=3)
 
 

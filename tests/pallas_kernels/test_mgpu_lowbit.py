@@ -177,6 +177,29 @@ class TestMgpuLowbit:
     @pytest.mark.parametrize(
         "case, native, kw",
         [
+            (CASES[1], "words", dict(one_barrier=True, return_logits=True)),
+            (CASES[0], "words", dict()),
+            (CASES[1], True, dict(int4_offset=True, one_barrier=True, return_logits=True)),
+            (CASES[0], True, dict(int4_offset=True)),
+            (CASES[4], False, dict(one_barrier=True)),
+            (CASES[3], False, dict(pages_per_step=2, return_logits=True)),
+            (LONG, "words", dict(overlap=True, one_barrier=True, lean_barriers=True)),
+            (LONG, True, dict(int4_offset=True, stages=3)),
+        ],
+        ids=["int2-words-logits", "int4-words", "int2codes-offset-logits", "int4codes-offset",
+             "int4-g16-bytes", "int2-g3-d64-two-pages", "int2-words-long-overlapped-lean",
+             "int2codes-offset-long-3-stages"],
+    )  # fmt: skip
+    def test_tensor_core_key_bias_matches_float64(self, case, native, kw):
+        """tc_bias=True: each page's key bias added by two more dots into S (the constant
+        -offset tile against (q⊙scale)^T, the zero row in every row against q^T) instead of
+        the sum across warps; with and without an offset (words 128, int4 codes 136, bytes
+        none), two pages a step, the overlapped loop, ~8 pages a split in the long cases."""
+        self._check(case, native, 3, fold_keys=True, tc_bias=True, **kw)
+
+    @pytest.mark.parametrize(
+        "case, native, kw",
+        [
             (CASES[1], True, dict(fold_keys=True, int4_offset=True, one_barrier=True)),
             (CASES[0], True, dict(return_logits=True)),
             (CASES[3], False, dict(pages_per_step=2, return_logits=True)),
@@ -359,6 +382,10 @@ def test_unsupported_input_gets_one_clear_error():
         run(q, tier, q_pos, bits=4, pages_per_step=2, overlap=True)
     with pytest.raises(ValueError, match="bias_outside=True needs fold_keys"):
         run(q, tier, q_pos, bits=4, fold_keys=False, bias_outside=True)
+    with pytest.raises(ValueError, match="tc_bias=True needs fold_keys"):
+        run(q, tier, q_pos, bits=4, fold_keys=False, tc_bias=True)
+    with pytest.raises(ValueError, match="tc_bias=True and bias_outside=True"):
+        run(q, tier, q_pos, bits=4, fold_keys=True, tc_bias=True, bias_outside=True)
     words = to_channel_major(lowbit, 4, words=True)
     with pytest.raises(ValueError, match="the words layout needs fold_keys"):
         run(q, words, q_pos, bits=4, fold_keys=False)
@@ -417,6 +444,19 @@ def test_words_kernel_lowers_with_either_conversion(bits):
 @pytest.mark.parametrize("one_barrier", [False, True])
 def test_kernel_with_key_bias_before_the_launch_lowers_for_h200(bits, codes, fold, one_barrier):
     _lowers_for_h200(bits, codes, True, fold, bias_outside=True, one_barrier=one_barrier)
+
+
+@pytest.mark.parametrize(
+    "bits, codes, fold, kw",
+    [
+        (2, "words", "fold", dict(one_barrier=True)),
+        (4, "words", "fold", dict(overlap=True)),
+        (2, "int4-wgmma", "fold+offset+lean", dict(one_barrier=True)),
+        (4, "bytes", "fold", dict(pages_per_step=2)),
+    ],
+)
+def test_kernel_with_tensor_core_key_bias_lowers_for_h200(bits, codes, fold, kw):
+    _lowers_for_h200(bits, codes, True, fold, tc_bias=True, **kw)
 
 
 def _lowers_for_h200(bits, codes, logits, fold, **kw):
