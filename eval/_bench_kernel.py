@@ -118,6 +118,10 @@ _ROW_KNOBS = {
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",
     ),
+    "qk_split": (
+        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
+        "Mosaic GPU low-bit",
+    ),
     "lean_barriers": (
         lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
         "Mosaic GPU low-bit",

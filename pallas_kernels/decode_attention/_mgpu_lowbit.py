@@ -168,14 +168,24 @@ def _load_words(ref, interpret: bool) -> Array:
 
 
 def _word_codes(
-    x: Array, bits: int, k: int, part: int, parts: int, interpret: bool, lop3: bool = True
+    x: Array,
+    bits: int,
+    k: int,
+    part: int,
+    parts: int,
+    interpret: bool,
+    lop3: bool = True,
+    cols: tuple[int, int] | None = None,
 ) -> Array:
     """A [64, k] wgmma A operand, bfloat16 128 + code·2^pos, from tile `part` of `parts` in a
     words-layout tile loaded by `_load_words` (`to_channel_major(words=True)`): one AND-OR a
     register (`lop3`: written as one inline LOP3; else as an AND and an OR, which ptxas emits
-    as two), and one shift a word and window. The interpreter gathers the same values."""
+    as two), and one shift a word and window. The interpreter gathers the same values.
+    `cols`: only the tile's columns [c0, c1) (multiples of 8), a [64, c1 - c0] operand."""
+    c0, c1 = cols or (0, k)
     if interpret:  # (index arrays from iotas: a kernel may close over no array constant)
-        rows, cols = (lax.broadcasted_iota(jnp.int32, (64, k), a) for a in (0, 1))
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (64, c1 - c0), a) for a in (0, 1))
+        cols = cols + c0
         flat, bit = word_source_of(bits, k, parts, part, rows, cols)
         codes = (x.reshape(-1)[flat] >> bit.astype(jnp.uint32)) & jnp.uint32((1 << bits) - 1)
         pos = _word_place(bits, k, rows, cols)[3]
@@ -191,13 +201,13 @@ def _word_codes(
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WG_STRIDED(x.shape, vec_size=4),),
-        return_type=plgpu.ShapeDtypeStruct((64, k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((64, c1 - c0), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def convert(_ctx, arr):
         i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
-        shape = mgpu.WGMMA_LAYOUT.registers_shape((64, k))
-        assert shape == (1, k // 8, 1, 1, 2, 1, 1, 1, 1), shape
+        shape = mgpu.WGMMA_LAYOUT.registers_shape((64, c1 - c0))
+        assert shape == (1, (c1 - c0) // 8, 1, 1, 2, 1, 1, 1, 1), shape
         out = np.empty(shape, dtype=object)
         windows = {}  # (word, window) -> the word shifted to it
 
@@ -207,7 +217,7 @@ def _word_codes(
                 windows[jj, sh] = arith.shrui(w, mgpu.utils.c(4 * sh, i32)) if sh else w
             return windows[jj, sh]
 
-        for k8 in range(k // 8):
+        for k8 in range(c0 // 8, c1 // 8):
             for r2 in range(2):  # register (k8, r2): row 8·r2 and column 8·k8 of warp 0, lane 0
                 _, j, sh, pos = (int(x) for x in _word_place(bits, k, 8 * r2, 8 * k8))
                 mask = (((1 << bits) - 1) << pos) * 0x10001  # both half-words
@@ -219,7 +229,7 @@ def _word_codes(
                 else:
                     v = arith.andi(src, mgpu.utils.c(mask, i32))
                     v = arith.ori(v, mgpu.utils.c(0x43004300, i32))  # bfloat16 128.0, twice
-                out[0, k8, 0, 0, r2, 0, 0, 0, 0] = mgpu.utils.bitcast(v, pair)
+                out[0, k8 - c0 // 8, 0, 0, r2, 0, 0, 0, 0] = mgpu.utils.bitcast(v, pair)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(x)
@@ -314,6 +324,7 @@ def _kernel(
     lop3: bool = True,
     bias_outside: bool = False,
     tc_bias: bool = False,
+    qk_split: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -449,8 +460,34 @@ def _kernel(
         rows = lax.broadcast_in_dim(zero, (PAGE, d), [1])  # [64 tokens, D], each row the zeros
         plgpu.wgmma(s_ref, operand(rows, ka_smem), qz_smem.T)
 
-    def qk_issue(slot, j, s_ref):
-        """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys)."""
+    def qk_issue(slot, j, s_ref, s_ref2=None):
+        """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys);
+        with s_ref2 (qk_split), channels [0, D/2) into s_ref and [D/2, D) into s_ref2: two
+        independent chains of dots, S their sum."""
+        if s_ref2 is not None:
+            half = d // 2
+            if words:
+                kc = _load_words(k_smem.at[slot, j], interpret)
+                for acc_ref, c0 in ((s_ref, 0), (s_ref2, half)):
+                    keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3, cols=(c0, c0 + half))
+                    qs_half = qs_smem.at[j, :, pl.ds(c0, half)].T
+                    plgpu.wgmma(acc_ref, operand(keys, va_smem), qs_half)
+                if tc_bias:
+                    tc_bias_dots(slot, j, s_ref)
+                return
+            kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
+            for c, acc_ref in enumerate((s_ref, s_ref2)):  # n = 2 slices: one half each
+                if offset:
+                    code = _offset_codes(kc, bits, c, interpret)
+                elif native:
+                    code = _native(kc, int4_load, bits, c)
+                else:
+                    code = _slice(kc, c, bits)
+                qs_half = qs_smem.at[j, :, pl.ds(c * half, half)].T
+                plgpu.wgmma(acc_ref, operand(code, va_smem), qs_half)
+            if tc_bias:
+                tc_bias_dots(slot, j, s_ref)
+            return
         if words:  # one 128-bit load a thread, then one AND-OR a register
             kc = _load_words(k_smem.at[slot, j], interpret)
             keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3)  # [64 tokens, D]
@@ -581,11 +618,14 @@ def _kernel(
             plgpu.commit_smem()
 
         def qk(*s_refs):
-            for j, s_ref in enumerate(s_refs):  # page j of the step
-                qk_issue(slot, j, s_ref)
-            return tuple(s_ref[...] for s_ref in s_refs)
+            for j, s_ref in enumerate(s_refs[:pp]):  # page j of the step
+                qk_issue(slot, j, s_ref, s_refs[pp + j] if qk_split else None)
+            out = tuple(s_ref[...] for s_ref in s_refs[:pp])
+            if qk_split:  # S: the two halves' dots summed
+                out = tuple(a + s_refs[pp + j][...] for j, a in enumerate(out))
+            return out
 
-        accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp)]
+        accs = [plgpu.ACC((PAGE, cols), jnp.float32) for _ in range(pp * (2 if qk_split else 1))]
         ss = pl.run_scoped(qk, *accs)
         m_new, corr, l, new_zt = softmax(i, slot, ss, biases, m, l, zt)
         if not one_barrier:
@@ -682,6 +722,7 @@ def _kernel(
         "words_lop3",
         "bias_outside",
         "tc_bias",
+        "qk_split",
         "interpret",
     ),
 )
@@ -705,6 +746,7 @@ def decode_attention_lowbit_mgpu(
     words_lop3: bool | None = None,
     bias_outside: bool | None = None,
     tc_bias: bool | None = None,
+    qk_split: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -768,6 +810,12 @@ def decode_attention_lowbit_mgpu(
             page's zero row repeated in every A row against q^T (stored once a call), instead
             of the float32 sum across the warpgroup's warps. Not with bias_outside. Default:
             whether the device's Tuning.mgpu_lowbit_tc_bias names these bits.
+        qk_split: with fold_keys, each page's QK dot as two independent chains of dots (key
+            channels [0, D/2) and [D/2, D) into two accumulators, S their sum) instead of one
+            chain of D/16 dependent dots, halving the wait before the softmax. Needs D = 128
+            (two 64-channel halves; the words layout, or two code slices a byte or nibble) and
+            no overlap. Default: whether the device's Tuning.mgpu_lowbit_qk_split names these
+            bits, where it applies.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -854,6 +902,16 @@ def decode_attention_lowbit_mgpu(
         raise ValueError(
             "decode attention (Mosaic GPU low-bit): tc_bias=True and bias_outside=True are two "
             "ways to the same key bias: pick one"
+        )
+    n_slices = 1 if words else (4 if native else 8) // bits
+    split_ok = fold and not overlap and d == 128 and (words or n_slices == 2)
+    default_split = bits in tune.mgpu_lowbit_qk_split and split_ok  # where it applies
+    qsplit = default_split if qk_split is None else bool(qk_split)
+    if qsplit and not split_ok:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): qk_split=True needs fold_keys, no overlap, "
+            "D=128 and the words layout or two code slices a stored byte/nibble (got "
+            f"fold_keys={fold}, overlap={overlap}, D={d}, {view.k.dtype} codes at {bits} bits)"
         )
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
@@ -942,6 +1000,7 @@ def decode_attention_lowbit_mgpu(
         lop3=tune.mgpu_lowbit_words_lop3 if words_lop3 is None else bool(words_lop3),
         bias_outside=bool(outside),
         tc_bias=tc,
+        qk_split=qsplit,
     )
     launch = decode_grid(
         body,

@@ -61,6 +61,8 @@ class Tuning:
         mgpu_lowbit_tc_bias: bit widths at which the folded low-bit kernel adds each page's
             key bias by two more tensor-core dots (a constant -offset tile, the zero row
             repeated) instead of summing it across the warpgroup's warps.
+        mgpu_lowbit_qk_split: bit widths at which the folded low-bit kernel issues each page's
+            QK dot as two independent chains (two 64-channel halves, two accumulators).
         fused_combine: whether `decode_attention` combines a lone full tier's Triton splits
             with one kernel (`combine_triton`) instead of XLA's ops.
         mgpu_lowbit_words_lop3: whether the words layout's code conversion is written as one
@@ -105,6 +107,7 @@ class Tuning:
     mgpu_lowbit_words_lop3: bool = False
     mgpu_lowbit_bias_outside: tuple[int, ...] = ()
     mgpu_lowbit_tc_bias: tuple[int, ...] = ()
+    mgpu_lowbit_qk_split: tuple[int, ...] = ()
     # On: at B = 1, 32K its one launch (2.76 us) replaces XLA's three (5.5 us), kernels 58.7 ->
     # 56.3 us a call in a profiler trace; the timed loop moved more run to run (67.0-73.2 against
     # 69.2-73.5 us); B = 8 BF16 equal (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
@@ -166,6 +169,12 @@ _HOPPER = Tuning(
     # at 64K; INT2 159.8-172.2 -> 148.5-156.6 and 307.3-309.9 -> 268.3-280.5 (H100, 2026-12-06;
     # docs/lab/2026-12-06-h100-words-lop3.md).
     mgpu_lowbit_words_lop3=True,
+    # Each page's QK dot as two chains (two 64-channel halves): INT4 words 195.3 / 195.5 ->
+    # 151.4 / 153.3 us at B = 8, 32K (two interleaved pairs); INT2 words and INT2 int4 codes
+    # unchanged (135.6 / 135.7 -> 135.1 / 135.9, 149.7 / 148.5 -> 150.8 / 148.6), so INT4 only
+    # (it applies to folded keys: the words layout; H100, 2026-12-06; docs/lab/
+    # 2026-12-06-h100-timing-loop.md).
+    mgpu_lowbit_qk_split=(4,),
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,

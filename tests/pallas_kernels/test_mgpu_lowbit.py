@@ -200,6 +200,28 @@ class TestMgpuLowbit:
     @pytest.mark.parametrize(
         "case, native, kw",
         [
+            (CASES[1], "words", dict(one_barrier=True, return_logits=True)),
+            (CASES[0], "words", dict()),
+            (CASES[1], True, dict(int4_offset=True, one_barrier=True, return_logits=True)),
+            (CASES[0], False, dict()),
+            (CASES[1], "words", dict(pages_per_step=2, tc_bias=True)),
+            (LONG, "words", dict(one_barrier=True, lean_barriers=True)),
+            (LONG, True, dict(int4_offset=True, stages=3)),
+        ],
+        ids=["int2-words-logits", "int4-words", "int2codes-offset-logits", "int4-bytes",
+             "int2-words-two-pages-tc-bias", "int2-words-long-lean",
+             "int2codes-offset-long-3-stages"],
+    )  # fmt: skip
+    def test_split_key_dot_matches_float64(self, case, native, kw):
+        """qk_split=True: each page's QK dot as two chains, key channels [0, 64) and [64, 128)
+        into two accumulators, S their sum; the words layout (half the registers each), int4
+        codes at 2 bits and bytes at 4 (a code slice each), two pages a step, ~8 pages a
+        split in the long cases."""
+        self._check(case, native, 3, fold_keys=True, qk_split=True, **kw)
+
+    @pytest.mark.parametrize(
+        "case, native, kw",
+        [
             (CASES[1], True, dict(fold_keys=True, int4_offset=True, one_barrier=True)),
             (CASES[0], True, dict(return_logits=True)),
             (CASES[3], False, dict(pages_per_step=2, return_logits=True)),
@@ -386,6 +408,13 @@ def test_unsupported_input_gets_one_clear_error():
         run(q, tier, q_pos, bits=4, fold_keys=False, tc_bias=True)
     with pytest.raises(ValueError, match="tc_bias=True and bias_outside=True"):
         run(q, tier, q_pos, bits=4, fold_keys=True, tc_bias=True, bias_outside=True)
+    with pytest.raises(ValueError, match=r"qk_split=True needs .*overlap=True"):
+        run(q, tier, q_pos, bits=4, fold_keys=True, qk_split=True, overlap=True)
+    with pytest.raises(ValueError, match=r"qk_split=True needs .*int4 codes at 4 bits"):
+        run(q, to_channel_major(lowbit, 4, native=True), q_pos, bits=4, fold_keys=True,
+            qk_split=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"qk_split=True needs .*fold_keys=False"):
+        run(q, tier, q_pos, bits=4, fold_keys=False, qk_split=True)
     words = to_channel_major(lowbit, 4, words=True)
     with pytest.raises(ValueError, match="the words layout needs fold_keys"):
         run(q, words, q_pos, bits=4, fold_keys=False)
@@ -457,6 +486,19 @@ def test_kernel_with_key_bias_before_the_launch_lowers_for_h200(bits, codes, fol
 )
 def test_kernel_with_tensor_core_key_bias_lowers_for_h200(bits, codes, fold, kw):
     _lowers_for_h200(bits, codes, True, fold, tc_bias=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "bits, codes, fold, kw",
+    [
+        (2, "words", "fold", dict(one_barrier=True)),
+        (4, "words", "fold", dict(pages_per_step=2)),
+        (2, "int4-wgmma", "fold+offset+lean", dict(one_barrier=True)),
+        (4, "bytes", "fold", dict(tc_bias=True)),
+    ],
+)
+def test_kernel_with_split_key_dot_lowers_for_h200(bits, codes, fold, kw):
+    _lowers_for_h200(bits, codes, True, fold, qk_split=True, **kw)
 
 
 def _lowers_for_h200(bits, codes, logits, fold, **kw):
