@@ -111,7 +111,8 @@ def attend_pallas(
         if isinstance(lb, KernelLowBitTier):  # read as stored by the Mosaic GPU kernel
             if backend == "tpu":
                 raise ValueError(
-                    "a low-bit tier in the kernel layout (lowbit_layout='kernel') is read by "
+                    "a low-bit tier in the kernel layouts (lowbit_layout='kernel' or 'words') "
+                    "is read by "
                     "the Mosaic GPU kernel (Hopper GPUs) or by XLA attention; on a TPU use "
                     "lowbit_layout='token' or implementation='xla'"
                 )

@@ -18,6 +18,7 @@ from flax import struct
 from kvjax.quant import (
     STAT_DTYPE,
     check_kernel_layout,
+    check_words_layout,
     dequantize_kernel_pages,
     dequantize_per_channel,
     dequantize_per_token,
@@ -25,13 +26,15 @@ from kvjax.quant import (
     quantize_kernel_pages,
     quantize_per_channel,
     quantize_per_token,
+    quantize_words_pages,
     unpack,
 )
+from kvjax.quant import dequantize_words_pages as _dequantize_words
 
 Array = jax.Array
 
 EMPTY = -1  # `pos` of an unoccupied slot
-LOWBIT_LAYOUTS = ("token", "kernel")
+LOWBIT_LAYOUTS = ("token", "kernel", "words")
 KERNEL_PAGE = 64  # tokens per page of the kernel layout: the rows of a warpgroup dot
 
 
@@ -53,7 +56,10 @@ class CacheSpec:
         lowbit_layout: "token" (`LowBitTier`: packed bytes, token-major; every backend's
             kernels) or "kernel" (`KernelLowBitTier`: int4 codes, values channel-major,
             kernel-ready statistics; the Mosaic GPU low-bit kernel reads it as stored; 64-token
-            pages, 2 or 4 bits, `kvjax.quant.check_kernel_layout`).
+            pages, 2 or 4 bits, `kvjax.quant.check_kernel_layout`) or "words"
+            (`KernelLowBitTier` with uint32 codes in the order of that kernel's dot registers,
+            `kvjax.quant.quantize_words_pages`: fewer instructions a page for the kernel; 64-token
+            pages, 2 or 4 bits, `kvjax.quant.check_words_layout`).
         pooled: each layer's full-precision slots form ONE pool of Hkv·C slots shared by its
             KV heads, each slot carrying its head (head-adaptive budgets, `adakv`); C is then
             the mean slots per KV head.
@@ -94,10 +100,11 @@ class CacheSpec:
                 f"CacheSpec.lowbit_layout must be one of {LOWBIT_LAYOUTS}, "
                 f"got {self.lowbit_layout!r}"
             )
-        if self.lowbit_pages is not None and self.lowbit_layout == "kernel":
+        if self.lowbit_pages is not None and self.lowbit_layout in ("kernel", "words"):
             if self.lowbit_page_size != KERNEL_PAGE:
                 raise ValueError(
-                    f"CacheSpec.lowbit_layout 'kernel' needs {KERNEL_PAGE}-token pages, "
+                    f"CacheSpec.lowbit_layout {self.lowbit_layout!r} needs {KERNEL_PAGE}-token "
+                    "pages, "
                     f"got lowbit_page_size={self.lowbit_page_size}"
                 )
             if self.head_dim % self.lowbit_value_group:
@@ -105,9 +112,8 @@ class CacheSpec:
                     f"lowbit_value_group {self.lowbit_value_group} must divide head_dim "
                     f"{self.head_dim}"
                 )
-            check_kernel_layout(
-                self.head_dim, self.lowbit_bits, self.head_dim // self.lowbit_value_group
-            )
+            check = check_words_layout if self.lowbit_layout == "words" else check_kernel_layout
+            check(self.head_dim, self.lowbit_bits, self.head_dim // self.lowbit_value_group)
         if self.pooled and (self.int8_capacities is not None or self.lowbit_pages is not None):
             raise ValueError("CacheSpec.pooled holds full-precision slots only (no INT8/low-bit)")
 
@@ -280,13 +286,18 @@ class KernelLowBitTier(_Pages):
     "kernel"; `kvjax.quant.quantize_kernel_pages`): the kernel reads them as stored, with no
     conversion per step. Same tokens, statistics and bytes as `LowBitTier`; each group is
     quantized around the code offset the kernel's signed int4 read implies, so the bound is
-    the same |x − dequantized| ≤ scale / 2.
+    the same |x − dequantized| ≤ scale / 2. With uint32 codes it holds the "words" layout
+    (`kvjax.quant.quantize_words_pages`: the codes in the order of the kernel's dot registers,
+    quantized by `LowBitTier`'s own rule; the same bound and bytes).
 
     Attributes:
-        k: [B, Hkv, P, G, D·bits/4] int4 key codes (G = 64 tokens a page).
-        v: [B, Hkv, P, D·bits/4, G] int4 value codes, channel-major.
-        k_stats: [B, Hkv, P, 2, D] bfloat16 (scale·2^-(slice·bits), zero) per channel.
-        v_stats: [B, Hkv, P, 2, NG, G] bfloat16 the same per value group and token.
+        k: [B, Hkv, P, G, D·bits/4] int4 key codes (G = 64 tokens a page); words: [B, Hkv, P,
+            D·bits/64, 128] uint32.
+        v: [B, Hkv, P, D·bits/4, G] int4 value codes, channel-major; words: as k.
+        k_stats: [B, Hkv, P, 2, D] bfloat16 (scale·2^-(slice·bits), zero) per channel; words:
+            (scale, zero·2^pos).
+        v_stats: [B, Hkv, P, 2, NG, G] bfloat16 the same per value group and token; words:
+            (scale·2^-pos, zero).
         pos, score, held, bits: as `LowBitTier`.
     """
 
@@ -305,17 +316,23 @@ class KernelLowBitTier(_Pages):
     def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
         """Pages `page` [B, Hkv, m] dequantized: keys and values [B, Hkv, m, G, D] `dtype`."""
         at = _page_at(page)
-        return dequantize_kernel_pages(
-            at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype
-        )
+        deq = _dequantize_words if self.words else dequantize_kernel_pages
+        return deq(at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype)
+
+    @property
+    def words(self) -> bool:
+        """Whether the codes are in the words layout (uint32) rather than int4 codes."""
+        return self.k.dtype == jnp.uint32
 
     def dequantize(self, dtype: Any) -> tuple[Array, Array]:
         """Every page dequantized: keys and values [B, Hkv, P, G, D] `dtype`."""
-        return dequantize_kernel_pages(self.k, self.v, self.k_stats, self.v_stats, self.bits, dtype)
+        deq = _dequantize_words if self.words else dequantize_kernel_pages
+        return deq(self.k, self.v, self.k_stats, self.v_stats, self.bits, dtype)
 
     def write(self, page: Array, xk: Array, xv: Array) -> KernelLowBitTier:
         """As `LowBitTier.write`, in this layout."""
-        k, v, ks, vs = quantize_kernel_pages(xk, xv, self.bits, self.v_stats.shape[-2])
+        quantize = quantize_words_pages if self.words else quantize_kernel_pages
+        k, v, ks, vs = quantize(xk, xv, self.bits, self.v_stats.shape[-2])
         put = _page_put(page)
         return self.replace(
             k=put(self.k, k), v=put(self.v, v), k_stats=put(self.k_stats, ks),
@@ -458,11 +475,19 @@ def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
 
 def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier | KernelLowBitTier:
     b, h, d, g = spec.batch, spec.num_kv_heads, spec.head_dim, spec.lowbit_page_size
-    if spec.lowbit_layout == "kernel":  # shapes checked by CacheSpec
+    if spec.lowbit_layout in ("kernel", "words"):  # shapes checked by CacheSpec
         ng, dn = d // spec.lowbit_value_group, d * spec.lowbit_bits // 4
+        if spec.lowbit_layout == "words":
+            w = d * spec.lowbit_bits // 64
+            k, v = (jnp.zeros((b, h, pages, w, 128), jnp.uint32) for _ in range(2))
+        else:
+            k, v = (
+                jnp.zeros((b, h, pages, g, dn), jnp.int4),
+                jnp.zeros((b, h, pages, dn, g), jnp.int4),
+            )
         return KernelLowBitTier(
-            k=jnp.zeros((b, h, pages, g, dn), jnp.int4),
-            v=jnp.zeros((b, h, pages, dn, g), jnp.int4),
+            k=k,
+            v=v,
             k_stats=jnp.zeros((b, h, pages, 2, d), STAT_DTYPE),
             v_stats=jnp.zeros((b, h, pages, 2, ng, g), STAT_DTYPE),
             pos=jnp.full((b, h, pages, g), EMPTY, jnp.int32),

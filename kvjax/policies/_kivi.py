@@ -30,9 +30,11 @@ class KIVIPolicy(Policy):
         bits: code width (2 by default; 4 and 8 allowed).
         value_group: channels sharing one value scale/zero.
         lowbit_layout: the pages' layout in the cache (`CacheSpec.lowbit_layout`): "token",
-            "kernel" (the Mosaic GPU low-bit kernel's own: 64-token pages, 2 or 4 bits) or
-            "auto", the default: the device Tuning's choice where the shapes allow (Hopper:
-            "kernel" for bfloat16 caches at those shapes), else "token".
+            "kernel" (the Mosaic GPU low-bit kernel's own: 64-token pages, 2 or 4 bits),
+            "words" (the same kernel's codes in its dot registers' order: 64-token pages, 2 or
+            4 bits, head_dim·bits a multiple of 256) or "auto", the default: the device
+            Tuning's choice where the shapes allow (Hopper: "words", else "kernel", for
+            bfloat16 caches at those shapes), else "token".
     """
 
     uses_attention_mass: ClassVar[bool] = False

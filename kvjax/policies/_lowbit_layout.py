@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from kvjax.cache._state import KERNEL_PAGE, LOWBIT_LAYOUTS
 from kvjax.pallas_kernels.decode_attention import tuning_for
-from kvjax.quant import check_kernel_layout
+from kvjax.quant import check_kernel_layout, check_words_layout
 
 LAYOUT_CHOICES = (*LOWBIT_LAYOUTS, "auto")
 
@@ -24,16 +24,20 @@ def lowbit_layout(
 ) -> str:
     """`layout` itself, or for "auto" the layout the current device's Tuning names
     (`lowbit_cache_layout`, the measured-faster kernel) where this cache can take it: 64-token
-    pages, shapes `check_kernel_layout` accepts and bfloat16 data (the kernel's query dtype);
-    "token" otherwise."""
+    pages, shapes the layout's check accepts and bfloat16 data (the kernel's query dtype); a
+    Tuning naming "words" falls back to "kernel" where only that fits; "token" otherwise."""
     if layout != "auto":
         return layout
-    if tuning_for().lowbit_cache_layout != "kernel":
+    named = tuning_for().lowbit_cache_layout
+    if named not in ("kernel", "words"):
         return "token"
     if page != KERNEL_PAGE or jnp.dtype(dtype) != jnp.bfloat16 or head_dim % value_group:
         return "token"
-    try:
-        check_kernel_layout(head_dim, bits, head_dim // value_group)
-    except ValueError:
-        return "token"
-    return "kernel"
+    checks = {"words": check_words_layout, "kernel": check_kernel_layout}
+    for name in ("words", "kernel") if named == "words" else ("kernel",):
+        try:
+            checks[name](head_dim, bits, head_dim // value_group)
+        except ValueError:
+            continue
+        return name
+    return "token"

@@ -30,6 +30,11 @@ from kvjax.quant._lowbit import (
     quantize_per_token,
 )
 from kvjax.quant._pack import codes_per_byte, pack, unpack
+from kvjax.quant._words_layout import (
+    check_words_layout,
+    dequantize_words_pages,
+    quantize_words_pages,
+)
 
 __all__ = [
     "BITS",
@@ -37,12 +42,14 @@ __all__ = [
     "STAT_DTYPE",
     "bytes_per_token",
     "check_kernel_layout",
+    "check_words_layout",
     "codes_per_byte",
     "dequantize_int8",
     "dequantize_int8_channel",
     "dequantize_kernel_pages",
     "dequantize_per_channel",
     "dequantize_per_token",
+    "dequantize_words_pages",
     "int8_bytes_per_token",
     "pack",
     "pack_nibbles",
@@ -52,5 +59,6 @@ __all__ = [
     "quantize_offset",
     "quantize_per_channel",
     "quantize_per_token",
+    "quantize_words_pages",
     "unpack",
 ]

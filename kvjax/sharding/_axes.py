@@ -111,6 +111,9 @@ _KERNEL_LOWBIT_AXES: dict[str, tuple[Axis | None, ...]] = {
     "score": (B, H, C),
     "held": (B, H, C),
 }
+# KernelLowBitTier in the words layout: codes [.., P, W, 128] words in the dots' register order
+# (neither axis is one of tokens or channels).
+_WORDS_LOWBIT_AXES = {**_KERNEL_LOWBIT_AXES, "k": (B, H, C, None, None), "v": (B, H, C, None, None)}
 
 
 def param_names(params: Any) -> Any:
@@ -164,7 +167,8 @@ def layer_names(layer: LayerCache) -> LayerCache:
     if layer.lowbit is not None:
         lb = layer.lowbit
         if isinstance(lb, KernelLowBitTier):
-            lowbit = KernelLowBitTier(**_fields(lb, _KERNEL_LOWBIT_AXES), bits=lb.bits)
+            table = _WORDS_LOWBIT_AXES if lb.words else _KERNEL_LOWBIT_AXES
+            lowbit = KernelLowBitTier(**_fields(lb, table), bits=lb.bits)
         else:
             lowbit = LowBitTier(**_fields(lb, _LOWBIT_AXES), bits=lb.bits)
     if layer.head is not None:  # a pool shared by the KV heads: its head axis (1) unsplit

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.pallas_kernels.decode_attention._reference import unpack_codes
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, LowBitTier
+from kvjax.quant._words_layout import pack_words, word_factor  # the placement: array math
 
 Array = jax.Array
 PAGE = 64  # tokens per page: the rows of a warpgroup dot
@@ -139,71 +139,6 @@ def to_channel_major(
     return ChannelMajorLowBitTier(
         tier.k ^ sign, _pack_tokens(vcodes, bits) ^ sign, k_stats, v_stats, tier.pos, tier.extent
     )
-
-
-WORD_BASE = 128.0  # what the words layout's conversion adds to a code: bfloat16 0x4300
-
-
-def _word_place(bits: int, k: int, rows=None, cols=None) -> tuple:
-    """Where each code of a [64, k] wgmma A tile lies in the words layout: (thread, the
-    thread's word j, shift window sh, place pos), each [64, k] (numpy; or of the given row and
-    column index arrays, numpy or jnp alike).
-
-    Register (k8, r2) of thread t = 32·warp + lane holds row 16·warp + 8·r2 + lane // 4 and
-    columns 8·k8 + 2·(lane % 4) + e, e = 0, 1 (the wgmma fragment). Its pair of codes sits in
-    word j at bits 4·sh + pos (e = 0) and 16 + 4·sh + pos (e = 1): 2 bits: four k8 a word, the
-    rows' two halves r2 in neighbouring windows, pos = 2·(k8 mod 2); 4 bits: two k8 a word,
-    pos = 0. A window holds one pair (4 bits) or two (2 bits) within the 7 mantissa bits."""
-    if rows is None:
-        rows, cols = np.meshgrid(np.arange(64), np.arange(k), indexing="ij")
-    warp, r2 = rows // 16, (rows % 16) // 8
-    lane = (rows % 8) * 4 + (cols % 8) // 2
-    k8 = cols // 8
-    if bits == 2:
-        j, a = k8 // 4, k8 % 4
-        sh, pos = 2 * (a // 2) + r2, 2 * (a % 2)
-    else:
-        j, a = k8 // 2, k8 % 2
-        sh, pos = 2 * a + r2, a * 0
-    return warp * 32 + lane, j, sh, pos
-
-
-def word_source_of(bits: int, k: int, parts: int, part, rows, cols) -> tuple:
-    """(flat word index, bit) of the codes at `rows`, `cols` of tile `part` (index arrays,
-    numpy or jnp): `word_source` for given indices, so that a kernel can compute it."""
-    thread, j, sh, pos = _word_place(bits, k, rows, cols)
-    jj = part * (k * bits // 64) + j
-    return ((jj // 4) * 128 + thread) * 4 + jj % 4, 4 * sh + pos + 16 * (cols % 2)
-
-
-def word_factor(bits: int, k: int) -> np.ndarray:
-    """[k] float32: the power of two 2^pos that the words layout's conversion multiplies the
-    codes of each column of a [64, k] A tile by (`_word_place`)."""
-    return np.exp2(_word_place(bits, k)[3][0]).astype(np.float32)
-
-
-def word_source(bits: int, k: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flat word index [parts, 64, k], bit [parts, 64, k]) of each code of `parts` [64, k] A
-    tiles in the words array [W, 128] of W = parts·k·bits/64 words a thread, flattened: the
-    thread's word J lies at ((J // 4)·128 + thread)·4 + J % 4, so that one 128-bit load in
-    Mosaic GPU's strided layout (WG_STRIDED, 4 words a thread) reads four of its words."""
-    part, rows, cols = np.meshgrid(np.arange(parts), np.arange(64), np.arange(k), indexing="ij")
-    return word_source_of(bits, k, parts, part, rows, cols)
-
-
-def pack_words(tiles: Array, bits: int) -> Array:
-    """Codes of `parts` [64, k] A tiles [..., parts, 64, k] (unsigned, < 2^bits) → the words
-    layout [..., W, 128] uint32 (`word_source`)."""
-    parts, _, k = tiles.shape[-3:]
-    flat, bit = word_source(bits, k, parts)
-    w = parts * k * bits // 64
-    slot = np.full((w * 128, 32 // bits), -1, np.int64)  # the code each slot of a word holds
-    slot[flat.ravel(), bit.ravel() // bits] = np.arange(flat.size)
-    assert (slot >= 0).all(), "the words layout must fill every slot"
-    codes = tiles.reshape(*tiles.shape[:-3], -1).astype(jnp.uint32)[..., slot]  # [.., W·128, n]
-    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * (codes.ndim - 1) + (-1,))
-    words = jnp.sum(codes << shifts, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum = OR
-    return words.reshape(*tiles.shape[:-3], w, 128)
 
 
 def _words(tier: LowBitTier, bits: int) -> ChannelMajorLowBitTier:

@@ -31,13 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._channel_major import (
-    PAGE,
-    WORD_BASE,
-    _word_place,
-    word_factor,
-    word_source_of,
-)
+from kvjax.pallas_kernels.decode_attention._channel_major import PAGE
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
@@ -47,6 +41,8 @@ from kvjax.pallas_kernels.decode_attention._validate import (
     check_query,
     layer_view,
 )
+from kvjax.quant._words_layout import WORD_BASE, word_factor, word_source_of
+from kvjax.quant._words_layout import word_place as _word_place
 
 Array = jax.Array
 COLS = 16  # most query heads per KV head (the dots' N; 8 when G <= 8)

@@ -74,7 +74,8 @@ class Tuning:
             as many CTAs as its registers let each multiprocessor hold).
         lowbit_cache_layout: the layout a policy's low-bit pages take under `layout="auto"`
             (`CacheSpec.lowbit_layout`): "kernel" where the Mosaic GPU low-bit kernel reads its
-            own layout faster than the Triton kernel reads the token-major one.
+            own layout faster than the Triton kernel reads the token-major one, "words" where it
+            reads its words layout faster still ("kernel" where only that fits).
         join_new_token: a decode step merges its tiers' split partials and its own token in
             one kernel launch (`join_new_token`) where it applies, instead of XLA's fusions.
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
@@ -149,7 +150,11 @@ _HOPPER = Tuning(
     # (H200, 2026-12-03; docs/lab/2026-12-03-h200-kernel-layout-cache.md). Under the layer
     # scan, read in the stack in place: 32 layers 12.51 / 12.42 ms (INT2 / INT4) against
     # token-major 15.92 / 19.99 (full 14.25).
-    lowbit_cache_layout="kernel",
+    # The words layout where it fits (D·bits a multiple of 256), same bytes: B = 8, 16K / 32K /
+    # 64K, INT2 81.6 / 147.7 / 283.3 -> 73.8 / 135.1 / 252.6 us, INT4 (two QK chains) 88.4 /
+    # 162.1 / 309.3 -> 83.6 / 151.2 / 289.3 (H100, 2026-12-06, one run; the same order in the
+    # runs before; docs/lab/2026-12-06-h100-timing-loop.md).
+    lowbit_cache_layout="words",
     # INT2 over int4 codes with the key statistics on q, codes read as code + 136 and one
     # barrier a stage: B = 8, 16K / 32K / 64K 124.8 / 251.8 / 387.5 -> 107.7 / 187.7 / 341.5 µs
     # (1.79-1.91x -> 2.07-2.17x cuDNN BF16). INT4 ran slower folded (111.9 / 191.5 / 350.3 ->

@@ -1,7 +1,8 @@
-"""The low-bit tier in the Mosaic GPU kernel's layout (`CacheSpec.lowbit_layout="kernel"`,
-`KernelLowBitTier`): its quantizer against float64 bounds, its pages against the token-major
-tier's bytes, write-once KIVI pages, the kernel reading the cache as stored against the XLA
-path, sharding names, and clear errors for shapes the layout cannot hold."""
+"""The low-bit tier in the Mosaic GPU kernel's layouts (`CacheSpec.lowbit_layout="kernel"` and
+"words", `KernelLowBitTier`): its quantizers against float64 bounds and the token-major tier,
+its pages against the token-major tier's bytes, write-once KIVI pages, the kernel reading the
+cache as stored against the XLA path, sharding names, and clear errors for shapes the layouts
+cannot hold."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvjax.attention import AttnStats, attend
 from kvjax.cache import CacheSpec, KernelLowBitTier, LayerCache, init_cache, physical_bytes
 from kvjax.policies import make_policy
 from kvjax.quant._kernel_layout import slice_values
+from kvjax.quant._words_layout import pack_words, unpack_words
 
 
 def _spec(bits=2, vg=64, page=64, pages=3, layout="kernel", **kw):
@@ -92,6 +94,47 @@ def test_kernel_pages_dequantize_within_half_a_step_of_float64(bits, groups):
     assert nib.min() >= -8 and nib.max() <= 7
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from([2, 4]), parts=st.sampled_from([1, 2]))
+def test_words_unpack_inverts_pack(seed, bits, parts):
+    """Every code of `parts` [64, k] tiles comes back from its words (each slot used once)."""
+    k = 256 // bits if parts == 1 else 64
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, (3, parts, 64, k)).astype(np.uint8)
+    words = pack_words(jnp.asarray(codes), bits)
+    assert words.dtype == jnp.uint32 and words.shape == (3, parts * k * bits // 64, 128)
+    np.testing.assert_array_equal(np.asarray(unpack_words(words, bits, parts, k)), codes)
+
+
+@pytest.mark.parametrize("bits, groups", [(2, 2), (2, 1), (4, 2), (4, 1)])
+def test_words_pages_are_the_token_tiers_codes_within_half_a_step(bits, groups):
+    """The words layout holds `quantize_per_channel` / `quantize_per_token`'s codes and
+    statistics (the powers of two in its statistics exact): dequantized it equals the
+    token-major tier's dequantization bit for bit, and each value is within scale/2 of x."""
+    rng = np.random.default_rng(10 * bits + groups)
+    xk = (1.5 + 3 * rng.standard_normal((2, 3, 64, 128))).astype(np.float32)
+    xv = rng.standard_normal((2, 3, 64, 128)).astype(np.float32)
+    k, v, ks, vs = quant.quantize_words_pages(jnp.asarray(xk), jnp.asarray(xv), bits, groups)
+    assert k.dtype == v.dtype == jnp.uint32 and ks.dtype == vs.dtype == jnp.bfloat16
+    assert k.shape == v.shape == (2, 3, 128 * bits // 64, 128)
+    assert ks.shape == (2, 3, 2, 128) and vs.shape == (2, 3, 2, groups, 64)
+    dk, dv = quant.dequantize_words_pages(k, v, ks, vs, bits)
+    kc, kscale, kzero = quant.quantize_per_channel(jnp.asarray(xk), bits)
+    vc, vscale, vzero = quant.quantize_per_token(jnp.asarray(xv), bits, 128 // groups)
+    want_k = quant.dequantize_per_channel(kc, kscale, kzero)
+    want_v = quant.dequantize_per_token(vc, vscale, vzero)
+    np.testing.assert_array_equal(np.asarray(dk), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(dv), np.asarray(want_v))
+    step_k = np.asarray(kscale, np.float64)[..., None, :]
+    assert np.all(np.abs(np.asarray(dk, np.float64) - xk) <= step_k / 2 * (1 + 1e-5) + 1e-6)
+    step_v = np.repeat(np.asarray(vscale, np.float64), 128 // groups, axis=-1)
+    assert np.all(np.abs(np.asarray(dv, np.float64) - xv) <= step_v / 2 * (1 + 1e-5) + 1e-6)
+    with pytest.raises(ValueError, match="must be uint32"):
+        quant.dequantize_words_pages(k.astype(jnp.int32), v, ks, vs, bits)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64, D\] alike"):
+        quant.quantize_words_pages(jnp.asarray(xk[..., :32, :]), jnp.asarray(xv[..., :32, :]), 2, 2)
+
+
 def test_spec_refuses_what_the_layout_cannot_hold():
     with pytest.raises(ValueError, match="64-token pages"):
         _spec(page=32)
@@ -103,14 +146,23 @@ def test_spec_refuses_what_the_layout_cannot_hold():
         _spec(bits=4, vg=32)
     with pytest.raises(ValueError, match="lowbit_layout must be one of"):
         _spec(layout="channels")
+    with pytest.raises(ValueError, match="'words' needs 64-token pages"):
+        _spec(page=32, layout="words")
+    with pytest.raises(ValueError, match=r"head_dim·bits a multiple of 256"):
+        dataclasses.replace(_spec(layout="words", bits=2, vg=64), head_dim=64)
+    with pytest.raises(ValueError, match="value groups of a multiple of 64 channels"):
+        _spec(layout="words", bits=4, vg=32)
+    with pytest.raises(ValueError, match=r"holds \(2, 4\)-bit codes"):
+        _spec(layout="words", bits=8)
     with pytest.raises(ValueError, match="KIVIPolicy.lowbit_layout must be one of"):
         make_policy("kivi", lowbit_layout="int4")
     _spec(layout="token", page=32, bits=8)  # the token-major tier takes them
 
 
+@pytest.mark.parametrize("layout", ["kernel", "words"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_same_bytes_as_the_token_major_tier_measured_from_the_arrays(bits):
-    kern = init_cache(_spec(bits=bits)).layers[0].lowbit
+def test_same_bytes_as_the_token_major_tier_measured_from_the_arrays(bits, layout):
+    kern = init_cache(_spec(bits=bits, layout=layout)).layers[0].lowbit
     tok = init_cache(_spec(bits=bits, layout="token")).layers[0].lowbit
     assert isinstance(kern, KernelLowBitTier)
     assert kern.page_bytes() == tok.page_bytes()
@@ -120,14 +172,16 @@ def test_same_bytes_as_the_token_major_tier_measured_from_the_arrays(bits):
                    else a.size * a.dtype.itemsize for a in data)  # fmt: skip
     assert measured == b * h * p * kern.page_bytes()
     one = lambda lb: physical_bytes(init_cache(_spec(bits=bits, layout=lb)))
-    assert one("kernel") == one("token")
+    assert one(layout) == one("token")
 
 
-def test_kivi_pages_are_written_once_in_the_kernel_layout():
-    """KIVI's pages hold quantize_kernel_pages of each 64-token group, written once; the
-    residual stays in full precision."""
+@pytest.mark.parametrize("layout", ["kernel", "words"])
+def test_kivi_pages_are_written_once_in_the_kernel_layout(layout):
+    """KIVI's pages hold quantize_kernel_pages (quantize_words_pages) of each 64-token group,
+    written once; the residual stays in full precision."""
     r, g, h, d = 64, 64, 2, 128
-    policy = make_policy("kivi", residual=r, group=g, value_group=64, lowbit_layout="kernel")
+    policy = make_policy("kivi", residual=r, group=g, value_group=64, lowbit_layout=layout)
+    quantize = quant.quantize_words_pages if layout == "words" else quant.quantize_kernel_pages
     n = 200
     spec = policy.cache_spec(
         batch=1, num_layers=1, num_kv_heads=h, head_dim=d, max_len=n, dtype=jnp.bfloat16
@@ -150,10 +204,10 @@ def test_kivi_pages_are_written_once_in_the_kernel_layout():
         for p in range((start // r) * r // g):
             toks = slice(p * g, (p + 1) * g)
             pk, pv = (jnp.asarray(a[toks], jnp.bfloat16).transpose(1, 0, 2) for a in (keys, vals))
-            want = quant.quantize_kernel_pages(pk, pv, 2, 2)
+            want = quantize(pk, pv, 2, 2)
             for got, w in zip((lb.k, lb.v, lb.k_stats, lb.v_stats), want, strict=True):
                 np.testing.assert_array_equal(np.asarray(got[0, :, p]), np.asarray(w))
-            codes = np.asarray(lb.k[0, :, p], np.int8)
+            codes = np.asarray(lb.k[0, :, p]).astype(np.int64)
             assert np.array_equal(seen.setdefault(p, codes), codes), "page rewritten"
             np.testing.assert_array_equal(
                 np.asarray(lb.pos[0, 0, p]), np.arange(p * g, (p + 1) * g)
@@ -161,9 +215,9 @@ def test_kivi_pages_are_written_once_in_the_kernel_layout():
         assert not np.any(np.asarray(lb.held[0, :, (start // r) * r // g :]))
 
 
-def _kernel_layer(seed: int, bits: int) -> LayerCache:
-    """A bfloat16 layer (D 128) with full-precision slots and kernel-layout pages, holes and a
-    dormant page."""
+def _kernel_layer(seed: int, bits: int, layout: str = "kernel") -> LayerCache:
+    """A bfloat16 layer (D 128) with full-precision slots and kernel-layout (or words-layout)
+    pages, holes and a dormant page."""
     b, h, c, pages, d = 2, 2, 24, 3, 128
     rng = np.random.default_rng(seed)
     nrm = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -173,7 +227,8 @@ def _kernel_layer(seed: int, bits: int) -> LayerCache:
         p[rng.random(s) < 0.25] = -1
         return jnp.asarray(p)
 
-    layer = init_cache(dataclasses.replace(_spec(bits=bits), capacities=(c,))).layers[0]
+    spec = _spec(bits=bits, layout=layout)
+    layer = init_cache(dataclasses.replace(spec, capacities=(c,))).layers[0]
     every = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (b, h, pages))
     lb = layer.lowbit.write(every, nrm(b, h, pages, 64, d), nrm(b, h, pages, 64, d))
     lpos = pos(b, h, pages, 64).at[0, 1, 1].set(-1)
@@ -181,11 +236,12 @@ def _kernel_layer(seed: int, bits: int) -> LayerCache:
     return layer.replace(k=nrm(b, h, c, d), v=nrm(b, h, c, d), pos=pos(b, h, c), lowbit=lb)
 
 
+@pytest.mark.parametrize("layout", ["kernel", "words"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_the_kernel_reads_the_cache_as_stored_and_equals_xla(bits):
+def test_the_kernel_reads_the_cache_as_stored_and_equals_xla(bits, layout):
     """attend(pallas) — the Mosaic GPU low-bit kernel over the cache's own arrays (interpreted
     here) — equals attend(xla), which dequantizes the same pages, mass included."""
-    layer = _kernel_layer(bits, bits)
+    layer = _kernel_layer(bits, bits, layout)
     b, h, d = 2, 2, 128
     rng = np.random.default_rng(bits)
     q = jnp.asarray(rng.standard_normal((b, 1, h * 4, d)) / 4, jnp.bfloat16)
@@ -199,10 +255,11 @@ def test_the_kernel_reads_the_cache_as_stored_and_equals_xla(bits):
     np.testing.assert_allclose(f32(got.slot_mass), f32(want.slot_mass), atol=5e-3)
 
 
-def test_sharding_names_mirror_the_kernel_tier():
+@pytest.mark.parametrize("layout", ["kernel", "words"])
+def test_sharding_names_mirror_the_kernel_tier(layout):
     from kvjax.sharding import layer_names
 
-    layer = init_cache(_spec()).layers[0]
+    layer = init_cache(_spec(layout=layout)).layers[0]
     names = layer_names(layer)
     assert jax.tree.structure(names) == jax.tree.structure(layer)
     assert isinstance(names.lowbit, KernelLowBitTier)
@@ -220,10 +277,17 @@ def test_auto_takes_the_tunings_layout_only_where_the_shapes_fit(monkeypatch):
 
     fits = make_policy("kivi", residual=64, group=64, value_group=64)
     kind = jax.devices()[0].device_kind
-    for named in ("token", "kernel"):  # whatever this device's own Tuning names
+    for named in ("token", "kernel", "words"):  # whatever this device's own Tuning names
         tune = dataclasses.replace(_tuning.tuning_for(kind), lowbit_cache_layout=named)
         monkeypatch.setitem(_tuning.TUNINGS, kind, tune)
         assert spec(fits).lowbit_layout == named
+    # "words" falls back to "kernel" where only that fits (INT4, D 64: 256 bits a row of words
+    # holds it too; value groups of 128 at INT4 D 128 fit both), to "token" where neither does
+    assert spec(make_policy("kivi", residual=64, group=64, value_group=64), d=64).lowbit_layout == (
+        "token"
+    )  # INT2, D 64: neither layout
+    four = make_policy("kivi", residual=64, group=64, value_group=64, bits=4)
+    assert spec(four, d=64).lowbit_layout == "words"
     assert spec(fits, dtype=jnp.float32).lowbit_layout == "token"  # the kernel's q is bf16
     assert spec(make_policy("kivi")).lowbit_layout == "token"  # 32-token pages
     assert spec(make_policy("kivi", residual=64, group=64)).lowbit_layout == "token"  # groups 32
@@ -245,15 +309,18 @@ def test_a_tpu_refuses_the_kernel_layout_by_name(monkeypatch):
         attend(*args, implementation="pallas")
 
 
-@pytest.mark.parametrize("knobs", [{}, {"fold_keys": True, "bias_outside": True}])
-def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place(knobs):
+@pytest.mark.parametrize(
+    "knobs, layout",
+    [({}, "kernel"), ({"fold_keys": True, "bias_outside": True}, "kernel"), ({}, "words")],
+)
+def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place(knobs, layout):
     """`layer=` on a stack of three layers' kernel-layout pages gives exactly the call on that
     layer's own arrays (the layer scan's read, without a slice of the stack); with the key
     biases computed before the launch, from that layer's statistics."""
     from kvjax.pallas_kernels.decode_attention import ChannelMajorLowBitTier
     from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
 
-    layers = [_kernel_layer(10 + i, 4).lowbit for i in range(3)]
+    layers = [_kernel_layer(10 + i, 4, layout).lowbit for i in range(3)]
     stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.standard_normal((2, 2, 4, 128)) / 4, jnp.bfloat16)
@@ -275,7 +342,7 @@ def test_the_kernel_reads_one_layer_of_a_stacked_cache_in_place(knobs):
         run(tier(stack, layers[1]), layer=jnp.ones((2,), jnp.int32))
 
 
-@pytest.mark.parametrize("layout", ["kernel", "token"])
+@pytest.mark.parametrize("layout", ["kernel", "words", "token"])
 def test_read_gives_the_written_pages_and_drops_out_of_range_writes(layout):
     """`write` puts pages where asked (an index ≥ P writes nothing), `read` gets exactly those
     pages' `dequantize` back (QEvict's recovery path), in either layout."""
