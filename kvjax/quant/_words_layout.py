@@ -86,29 +86,79 @@ def word_source(bits: int, k: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
     return word_source_of(bits, k, parts, part, rows, cols)
 
 
+def _digits(bits: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mixed-radix digits of a [64, k] tile's row and column that `word_place` reads: rows
+    (warp 4, r2 2, r8 8); columns (j, then the k8 digits a word holds, c4 4, e 2), j the
+    thread's word in the tile (2 bits: four k8 a word, digits a1, a0; 4 bits: two, digit a)."""
+    per = k * bits // 64
+    cols = (per, 2, 2, 4, 2) if bits == 2 else (per, 2, 4, 2)
+    return (4, 2, 8), cols
+
+
 def pack_words(tiles: Array, bits: int) -> Array:
     """Codes of `parts` [64, k] A tiles [..., parts, 64, k] (unsigned, < 2^bits) → the words
-    layout [..., W, 128] uint32 (`word_source`)."""
+    layout [..., W, 128] uint32 (`word_source`), by reshapes, one transpose and a shift-sum
+    (`word_place`'s placement is a permutation of the indices' digits).
+
+    Word (J, thread) of the flat order ((J // 4)·128 + thread)·4 + J % 4 is [W, 128] element
+    [4·(J // 4) + warp, 16·r8 + 4·c4 + J % 4]; its 32/bits slots hold, low bits first, the
+    codes of digits (e, a1, r2, a0) at 2 bits and (e, a, r2) at 4 bits."""
     parts, _, k = tiles.shape[-3:]
-    flat, bit = word_source(bits, k, parts)
-    w = parts * k * bits // 64
-    slot = np.full((w * 128, 32 // bits), -1, np.int64)  # the code each slot of a word holds
-    slot[flat.ravel(), bit.ravel() // bits] = np.arange(flat.size)
-    assert (slot >= 0).all(), "the words layout must fill every slot"
-    codes = tiles.reshape(*tiles.shape[:-3], -1).astype(jnp.uint32)[..., slot]  # [.., W·128, n]
-    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * (codes.ndim - 1) + (-1,))
-    words = jnp.sum(codes << shifts, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum = OR
-    return words.reshape(*tiles.shape[:-3], w, 128)
+    lead = tiles.shape[:-3]
+    (nw, nr2, nr8), cols = _digits(bits, k)
+    x = tiles.astype(jnp.uint32).reshape(*lead, parts, nw, nr2, nr8, *cols)
+    n = len(lead)
+    p_, w_, r2_, r8_ = n, n + 1, n + 2, n + 3
+    if bits == 2:
+        j_, a1_, a0_, c4_, e_ = range(n + 4, n + 9)
+        slots = (e_, a1_, r2_, a0_)
+    else:
+        j_, a_, c4_, e_ = range(n + 4, n + 8)
+        slots = (e_, a_, r2_)
+    x = jnp.transpose(x, (*range(n), p_, j_, w_, r8_, c4_, *slots))
+    jj = parts * cols[0]  # the thread's words over all tiles: J = part·per + j
+    x = x.reshape(*lead, jj // 4, 4, nw, nr8, 4, 32 // bits)  # J → (J // 4, J % 4)
+    x = jnp.moveaxis(x, n + 1, n + 4)  # [.., J // 4, warp, r8, c4, J % 4, slot]
+    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * (x.ndim - 1) + (-1,))
+    words = jnp.sum(x << shifts, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum = OR
+    return words.reshape(*lead, jj, 128)
 
 
 def unpack_words(words: Array, bits: int, parts: int, k: int) -> Array:
     """`pack_words`' inverse: the words layout [..., W, 128] → the codes of its `parts` [64, k]
     A tiles [..., parts, 64, k] uint8."""
+    lead = words.shape[:-2]
+    n = len(lead)
+    (nw, nr2, nr8), cols = _digits(bits, k)
+    jj = parts * cols[0]
+    x = words.reshape(*lead, jj // 4, nw, nr8, 4, 4)  # [.., J // 4, warp, r8, c4, J % 4]
+    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * x.ndim + (-1,))
+    x = (x[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)  # [.., slot]
+    x = jnp.moveaxis(x, n + 4, n + 1)  # [.., J // 4, J % 4, warp, r8, c4, slot]
+    sl = (2, 2, 2, 2) if bits == 2 else (2, 2, 2)  # (e, a1, r2, a0) or (e, a, r2)
+    x = x.reshape(*lead, parts, cols[0], nw, nr8, 4, *sl)
+    p_, j_, w_, r8_, c4_ = range(n, n + 5)
+    if bits == 2:
+        e_, a1_, r2_, a0_ = range(n + 5, n + 9)
+        order = (p_, w_, r2_, r8_, j_, a1_, a0_, c4_, e_)
+    else:
+        e_, a_, r2_ = range(n + 5, n + 8)
+        order = (p_, w_, r2_, r8_, j_, a_, c4_, e_)
+    x = jnp.transpose(x, (*range(n), *order))
+    return x.astype(jnp.uint8).reshape(*lead, parts, 64, k)
+
+
+def _pack_words_gather(tiles: Array, bits: int) -> Array:
+    """`pack_words` by a gather over `word_source` (the reference the tests hold it to)."""
+    parts, _, k = tiles.shape[-3:]
     flat, bit = word_source(bits, k, parts)
-    w = words.reshape(*words.shape[:-2], -1)[..., flat.ravel()]
-    shift = jnp.asarray(bit.ravel(), jnp.uint32).reshape((1,) * (w.ndim - 1) + (-1,))
-    codes = (w >> shift) & jnp.uint32((1 << bits) - 1)
-    return codes.astype(jnp.uint8).reshape(*words.shape[:-2], parts, 64, k)
+    w = parts * k * bits // 64
+    slot = np.full((w * 128, 32 // bits), -1, np.int64)  # the code each slot of a word holds
+    slot[flat.ravel(), bit.ravel() // bits] = np.arange(flat.size)
+    codes = tiles.reshape(*tiles.shape[:-3], -1).astype(jnp.uint32)[..., slot]  # [.., W·128, n]
+    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * (codes.ndim - 1) + (-1,))
+    words = jnp.sum(codes << shifts, axis=-1, dtype=jnp.uint32)
+    return words.reshape(*tiles.shape[:-3], w, 128)
 
 
 def check_words_layout(head_dim: int, bits: int, value_groups: int) -> None:

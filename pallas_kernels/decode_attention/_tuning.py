@@ -150,11 +150,11 @@ _HOPPER = Tuning(
     # (H200, 2026-12-03; docs/lab/2026-12-03-h200-kernel-layout-cache.md). Under the layer
     # scan, read in the stack in place: 32 layers 12.51 / 12.42 ms (INT2 / INT4) against
     # token-major 15.92 / 19.99 (full 14.25).
-    # The words layout where it fits (D·bits a multiple of 256), same bytes: B = 8, 16K / 32K /
-    # 64K, INT2 81.6 / 147.7 / 283.3 -> 73.8 / 135.1 / 252.6 us, INT4 (two QK chains) 88.4 /
-    # 162.1 / 309.3 -> 83.6 / 151.2 / 289.3 (H100, 2026-12-06, one run; the same order in the
-    # runs before; docs/lab/2026-12-06-h100-timing-loop.md).
-    lowbit_cache_layout="words",
+    # Not "words" (yet): its kernel is faster (B = 8, 16K / 32K / 64K, INT2 81.6 / 147.7 / 283.3
+    # -> 73.8 / 135.1 / 252.6 us, INT4 88.4 / 162.1 / 309.3 -> 83.6 / 151.2 / 289.3), but KIVI's
+    # INT2 step was slower with it, 11.92 -> 12.96 ms (policy 0.27 -> 1.71 ms: the words' pack
+    # is a gather; H100, 2026-12-06; docs/lab/2026-12-06-h100-timing-loop.md).
+    lowbit_cache_layout="kernel",
     # INT2 over int4 codes with the key statistics on q, codes read as code + 136 and one
     # barrier a stage: B = 8, 16K / 32K / 64K 124.8 / 251.8 / 387.5 -> 107.7 / 187.7 / 341.5 µs
     # (1.79-1.91x -> 2.07-2.17x cuDNN BF16). INT4 ran slower folded (111.9 / 191.5 / 350.3 ->
