@@ -84,6 +84,11 @@ def _mgpu_row(row: str) -> bool:
     return row.startswith("mgpu-")
 
 
+def _mgpu_lowbit_row(row: str) -> bool:
+    return row.startswith("mgpu-int") and row != "mgpu-int8"
+
+
+_MGPU_LOWBIT = (_mgpu_lowbit_row, "Mosaic GPU low-bit")
 # Knobs that only some rows take: knob -> (does this row take it, which rows, in words).
 _ROW_KNOBS = {
     "int8_qk": (lambda r: _int8_row(r) or _lowbit_row(r), "INT8 and low-bit"),
@@ -92,40 +97,16 @@ _ROW_KNOBS = {
     "asm_unpack": (_lowbit_row, "low-bit"),
     "tokens_m": (_lowbit_row, "low-bit"),
     "stages": (_mgpu_row, "Mosaic GPU"),
-    "pages_per_step": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
-    "fold_keys": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
+    "pages_per_step": _MGPU_LOWBIT,
+    "fold_keys": _MGPU_LOWBIT,
     "int4_offset": (lambda r: r.startswith("mgpu-int") and "-codes" in r, "Mosaic GPU int4-code"),
-    "one_barrier": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
-    "overlap": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
-    "bias_outside": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
+    "one_barrier": _MGPU_LOWBIT,
+    "overlap": _MGPU_LOWBIT,
+    "bias_outside": _MGPU_LOWBIT,
     "words_lop3": (lambda r: r.startswith("mgpu-int") and "-words" in r, "Mosaic GPU words"),
-    "tc_bias": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
-    "qk_split": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
-    "lean_barriers": (
-        lambda r: r.startswith("mgpu-int") and r != "mgpu-int8",
-        "Mosaic GPU low-bit",
-    ),
+    "tc_bias": _MGPU_LOWBIT,
+    "qk_split": _MGPU_LOWBIT,
+    "lean_barriers": _MGPU_LOWBIT,
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.
 SWEEP_KNOBS = ("block_k", "num_splits", "num_warps", "num_stages", *_ROW_KNOBS)

@@ -456,6 +456,14 @@ def _kernel(
         rows = lax.broadcast_in_dim(zero, (PAGE, d), [1])  # [64 tokens, D], each row the zeros
         plgpu.wgmma(s_ref, operand(rows, ka_smem), qz_smem.T)
 
+    def key_slice(kc, c):
+        """Key code slice c of a page's loaded codes as bfloat16, as the layout reads it."""
+        if offset:  # code + OFFSET: a permute and one LOP3 a pair
+            return _offset_codes(kc, bits, c, interpret)
+        if native:
+            return _native(kc, int4_load, bits, c)
+        return _slice(kc, c, bits)
+
     def qk_issue(slot, j, s_ref, s_ref2=None):
         """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys);
         with s_ref2 (qk_split), channels [0, D/2) into s_ref and [D/2, D) into s_ref2: two
@@ -473,12 +481,7 @@ def _kernel(
                 return
             kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
             for c, acc_ref in enumerate((s_ref, s_ref2)):  # n = 2 slices: one half each
-                if offset:
-                    code = _offset_codes(kc, bits, c, interpret)
-                elif native:
-                    code = _native(kc, int4_load, bits, c)
-                else:
-                    code = _slice(kc, c, bits)
+                code = key_slice(kc, c)
                 qs_half = qs_smem.at[j, :, pl.ds(c * half, half)].T
                 plgpu.wgmma(acc_ref, operand(code, va_smem), qs_half)
             if tc_bias:
@@ -495,12 +498,7 @@ def _kernel(
         kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
         keys = []
         for c in range(n):  # slice c: channels c·w ... (c+1)·w
-            if offset:  # code + OFFSET: a permute and one LOP3 a pair
-                code = _offset_codes(kc, bits, c, interpret)
-            elif native:
-                code = _native(kc, int4_load, bits, c)
-            else:
-                code = _slice(kc, c, bits)
+            code = key_slice(kc, c)
             if fold_keys:  # the statistics are on q: the codes are the operand
                 keys.append(code)
                 continue
