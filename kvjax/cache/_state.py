@@ -235,7 +235,8 @@ class LowBitTier(_Pages):
         return self.k_scale.shape[-1], self.v_scale.shape[-1], self.k_scale
 
     def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
-        """Pages `page` [B, Hkv, m] dequantized: keys and values [B, Hkv, m, G, D] `dtype`."""
+        """Pages `page` [B, Hkv, m] (clipped into [0, P)) dequantized: keys and values
+        [B, Hkv, m, G, D] `dtype`."""
         at = _page_at(page)
         k = dequantize_per_channel(
             unpack(at(self.k), self.bits), at(self.k_scale), at(self.k_zero), dtype
@@ -268,8 +269,12 @@ class LowBitTier(_Pages):
 
 
 def _page_at(page: Array):
-    """`a` → a[b, h, page[b, h, j]] for every page array a [B, Hkv, P, ...]."""
-    return lambda a: jnp.take_along_axis(a, page.reshape(page.shape + (1,) * (a.ndim - 3)), axis=2)
+    """`a` → a[b, h, page[b, h, j]] for every page array a [B, Hkv, P, ...] (page clipped into
+    [0, P): in-range indices need no bounds mask, a smaller kernel for each gather and for
+    the dequantization fused after it)."""
+    return lambda a: jnp.take_along_axis(
+        a, page.reshape(page.shape + (1,) * (a.ndim - 3)), axis=2, mode="clip"
+    )
 
 
 def _page_put(page: Array):
@@ -314,7 +319,8 @@ class KernelLowBitTier(_Pages):
         return self.k_stats.shape[-1], self.v_stats.shape[-2], self.k_stats
 
     def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
-        """Pages `page` [B, Hkv, m] dequantized: keys and values [B, Hkv, m, G, D] `dtype`."""
+        """Pages `page` [B, Hkv, m] (clipped into [0, P)) dequantized: keys and values
+        [B, Hkv, m, G, D] `dtype`."""
         at = _page_at(page)
         deq = _dequantize_words if self.words else dequantize_kernel_pages
         return deq(at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype)

@@ -170,15 +170,13 @@ def route(
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
     win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
     score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
-    ledger = jnp.pad(jnp.concatenate([led >= 0, active], -1), ((0, 0), (0, 0), (0, kk)))
-    current = jnp.where(
-        win >= 0,
-        jnp.concatenate(
-            [jnp.full_like(fp_win, FP), jnp.full_like(pg_win, INT), jnp.full_like(nwin, EVICTED)],
-            -1,
-        ),
-        EVICTED,
-    )
+    # Per candidate from `win` and its kind (an iota: 0 slot, 1 page, 2 new window), fused
+    # into the readers, where a concatenation of per-kind pieces was a kernel of its own.
+    kind = jax.lax.broadcasted_iota(jnp.int32, win.shape, 2)
+    kind = (kind >= f).astype(jnp.int32) + (kind >= f + npg).astype(jnp.int32)
+    led_all = jnp.pad(led, ((0, 0), (0, 0), (0, npg + kk)), constant_values=-1)
+    ledger = jnp.where(kind == 0, led_all >= 0, (kind == 1) & (win >= 0))
+    current = jnp.where((win >= 0) & (kind < 2), jnp.where(kind == 0, FP, INT), EVICTED)
     tier = jnp.where(event[:, None, None], assign_tiers(win, score, ledger, lay), current)
     t_fp, t_pg = tier[..., :f], tier[..., f : f + npg]
 
@@ -193,7 +191,6 @@ def route(
     # tier is never FP unless promoted, a slot's never INT unless demoted): windows
     # quantized now (first demotion: full-precision slots without a ledger, new windows),
     # and windows entering full precision (promoted pages, from their ledger; new windows).
-    kind = np.repeat(np.arange(3, dtype=np.int32), [f, npg, kk]).reshape(1, 1, -1)
     need_q = (tier == INT) & (kind != 1) & ~ledger
     need_fp = (tier == FP) & (kind != 0)
     # Each list needed-first, and the free pages and slots in index order: the i-th needed
