@@ -22,6 +22,7 @@ from kvjax.quant import (
     dequantize_kernel_pages,
     dequantize_per_channel,
     dequantize_per_token,
+    dequantize_words_pages,
     pack,
     quantize_kernel_pages,
     quantize_per_channel,
@@ -29,12 +30,12 @@ from kvjax.quant import (
     quantize_words_pages,
     unpack,
 )
-from kvjax.quant import dequantize_words_pages as _dequantize_words
 
 Array = jax.Array
 
 EMPTY = -1  # `pos` of an unoccupied slot
 LOWBIT_LAYOUTS = ("token", "kernel", "words")
+KERNEL_LAYOUTS = ("kernel", "words")  # those held by `KernelLowBitTier`, in 64-token pages
 KERNEL_PAGE = 64  # tokens per page of the kernel layout: the rows of a warpgroup dot
 
 
@@ -100,7 +101,7 @@ class CacheSpec:
                 f"CacheSpec.lowbit_layout must be one of {LOWBIT_LAYOUTS}, "
                 f"got {self.lowbit_layout!r}"
             )
-        if self.lowbit_pages is not None and self.lowbit_layout in ("kernel", "words"):
+        if self.lowbit_pages is not None and self.lowbit_layout in KERNEL_LAYOUTS:
             if self.lowbit_page_size != KERNEL_PAGE:
                 raise ValueError(
                     f"CacheSpec.lowbit_layout {self.lowbit_layout!r} needs {KERNEL_PAGE}-token "
@@ -322,23 +323,29 @@ class KernelLowBitTier(_Pages):
         """Pages `page` [B, Hkv, m] (clipped into [0, P)) dequantized: keys and values
         [B, Hkv, m, G, D] `dtype`."""
         at = _page_at(page)
-        deq = _dequantize_words if self.words else dequantize_kernel_pages
-        return deq(at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype)
+        dequantize = self._codec()[1]
+        return dequantize(
+            at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype
+        )
 
     @property
     def words(self) -> bool:
         """Whether the codes are in the words layout (uint32) rather than int4 codes."""
         return self.k.dtype == jnp.uint32
 
+    def _codec(self) -> tuple[Any, Any]:
+        """(quantize, dequantize) of this tier's layout."""
+        if self.words:
+            return quantize_words_pages, dequantize_words_pages
+        return quantize_kernel_pages, dequantize_kernel_pages
+
     def dequantize(self, dtype: Any) -> tuple[Array, Array]:
         """Every page dequantized: keys and values [B, Hkv, P, G, D] `dtype`."""
-        deq = _dequantize_words if self.words else dequantize_kernel_pages
-        return deq(self.k, self.v, self.k_stats, self.v_stats, self.bits, dtype)
+        return self._codec()[1](self.k, self.v, self.k_stats, self.v_stats, self.bits, dtype)
 
     def write(self, page: Array, xk: Array, xv: Array) -> KernelLowBitTier:
         """As `LowBitTier.write`, in this layout."""
-        quantize = quantize_words_pages if self.words else quantize_kernel_pages
-        k, v, ks, vs = quantize(xk, xv, self.bits, self.v_stats.shape[-2])
+        k, v, ks, vs = self._codec()[0](xk, xv, self.bits, self.v_stats.shape[-2])
         put = _page_put(page)
         return self.replace(
             k=put(self.k, k), v=put(self.v, v), k_stats=put(self.k_stats, ks),
@@ -481,7 +488,7 @@ def _empty_int8(b: int, h: int, c: int, d: int) -> Int8Tier:
 
 def _empty_lowbit(spec: CacheSpec, pages: int) -> LowBitTier | KernelLowBitTier:
     b, h, d, g = spec.batch, spec.num_kv_heads, spec.head_dim, spec.lowbit_page_size
-    if spec.lowbit_layout in ("kernel", "words"):  # shapes checked by CacheSpec
+    if spec.lowbit_layout in KERNEL_LAYOUTS:  # shapes checked by CacheSpec
         ng, dn = d // spec.lowbit_value_group, d * spec.lowbit_bits // 4
         if spec.lowbit_layout == "words":
             w = d * spec.lowbit_bits // 64

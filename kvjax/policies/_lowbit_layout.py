@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvjax.cache._state import KERNEL_PAGE, LOWBIT_LAYOUTS
+from kvjax.cache._state import KERNEL_LAYOUTS, KERNEL_PAGE, LOWBIT_LAYOUTS
 from kvjax.pallas_kernels.decode_attention import tuning_for
 from kvjax.quant import check_kernel_layout, check_words_layout
 
@@ -29,7 +29,7 @@ def lowbit_layout(
     if layout != "auto":
         return layout
     named = tuning_for().lowbit_cache_layout
-    if named not in ("kernel", "words"):
+    if named not in KERNEL_LAYOUTS:
         return "token"
     if page != KERNEL_PAGE or jnp.dtype(dtype) != jnp.bfloat16 or head_dim % value_group:
         return "token"

@@ -148,19 +148,6 @@ def unpack_words(words: Array, bits: int, parts: int, k: int) -> Array:
     return x.astype(jnp.uint8).reshape(*lead, parts, 64, k)
 
 
-def _pack_words_gather(tiles: Array, bits: int) -> Array:
-    """`pack_words` by a gather over `word_source` (the reference the tests hold it to)."""
-    parts, _, k = tiles.shape[-3:]
-    flat, bit = word_source(bits, k, parts)
-    w = parts * k * bits // 64
-    slot = np.full((w * 128, 32 // bits), -1, np.int64)  # the code each slot of a word holds
-    slot[flat.ravel(), bit.ravel() // bits] = np.arange(flat.size)
-    codes = tiles.reshape(*tiles.shape[:-3], -1).astype(jnp.uint32)[..., slot]  # [.., W·128, n]
-    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32).reshape((1,) * (codes.ndim - 1) + (-1,))
-    words = jnp.sum(codes << shifts, axis=-1, dtype=jnp.uint32)
-    return words.reshape(*tiles.shape[:-3], w, 128)
-
-
 def check_words_layout(head_dim: int, bits: int, value_groups: int) -> None:
     """A ValueError unless the words layout holds D = head_dim at `bits` with that many value
     groups: bits 2 or 4, D·bits a multiple of 256 (whole 128-bit loads a thread), D a multiple of

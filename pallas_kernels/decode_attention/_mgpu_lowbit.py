@@ -467,7 +467,13 @@ def _kernel(
     def qk_issue(slot, j, s_ref, s_ref2=None):
         """Issue page j's QK dot S [64 tokens, N] into s_ref (after `fold` with fold_keys);
         with s_ref2 (qk_split), channels [0, D/2) into s_ref and [D/2, D) into s_ref2: two
-        independent chains of dots, S their sum."""
+        independent chains of dots, S their sum; with tc_bias, the key bias's dots too."""
+        code_dots(slot, j, s_ref, s_ref2)
+        if tc_bias:  # (tc_bias implies fold_keys)
+            tc_bias_dots(slot, j, s_ref)
+
+    def code_dots(slot, j, s_ref, s_ref2):
+        """The key codes' dots of `qk_issue`."""
         if s_ref2 is not None:
             half = d // 2
             if words:
@@ -476,23 +482,17 @@ def _kernel(
                     keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3, cols=(c0, c0 + half))
                     qs_half = qs_smem.at[j, :, pl.ds(c0, half)].T
                     plgpu.wgmma(acc_ref, operand(keys, va_smem), qs_half)
-                if tc_bias:
-                    tc_bias_dots(slot, j, s_ref)
                 return
             kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
             for c, acc_ref in enumerate((s_ref, s_ref2)):  # n = 2 slices: one half each
                 code = key_slice(kc, c)
                 qs_half = qs_smem.at[j, :, pl.ds(c * half, half)].T
                 plgpu.wgmma(acc_ref, operand(code, va_smem), qs_half)
-            if tc_bias:
-                tc_bias_dots(slot, j, s_ref)
             return
         if words:  # one 128-bit load a thread, then one AND-OR a register
             kc = _load_words(k_smem.at[slot, j], interpret)
             keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3)  # [64 tokens, D]
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
-            if tc_bias:
-                tc_bias_dots(slot, j, s_ref)
             return
         # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
         kc = _load_int4(k_smem.at[slot, j], load) if native else k_smem[slot, j]
@@ -513,8 +513,6 @@ def _kernel(
         keys = jnp.concatenate(keys, axis=1) if n > 1 else keys[0]  # [64 tokens, D]
         if fold_keys:
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
-            if tc_bias:
-                tc_bias_dots(slot, j, s_ref)
         else:
             plgpu.wgmma(s_ref, operand(keys, ka_smem), q_smem.T)
 
