@@ -106,6 +106,7 @@ _ROW_KNOBS = {
     "words_lop3": (lambda r: r.startswith("mgpu-int") and "-words" in r, "Mosaic GPU words"),
     "tc_bias": _MGPU_LOWBIT,
     "qk_split": _MGPU_LOWBIT,
+    "subnormal": (lambda r: r.startswith("mgpu-int") and "-words" in r, "Mosaic GPU words"),
     "lean_barriers": _MGPU_LOWBIT,
 }
 # Every knob `bench_kernel`'s sweep takes: the launch knobs of all our rows, then those above.

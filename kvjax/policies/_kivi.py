@@ -33,8 +33,8 @@ class KIVIPolicy(Policy):
             "kernel" (the Mosaic GPU low-bit kernel's own: 64-token pages, 2 or 4 bits),
             "words" (the same kernel's codes in its dot registers' order: 64-token pages, 2 or
             4 bits, head_dim·bits a multiple of 256) or "auto", the default: the device
-            Tuning's choice where the shapes allow (Hopper: "kernel" for bfloat16 caches at
-            those shapes), else "token".
+            Tuning's choice where the shapes allow (Hopper: "words" for bfloat16 caches at
+            those shapes, "kernel" where only that fits), else "token".
     """
 
     uses_attention_mass: ClassVar[bool] = False

@@ -24,6 +24,7 @@ groups of ≥ 64 channels. Measured and why it is built so: docs/lab/2026-12-03-
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -172,12 +173,16 @@ def _word_codes(
     interpret: bool,
     lop3: bool = True,
     cols: tuple[int, int] | None = None,
+    subnormal: bool = False,
 ) -> Array:
     """A [64, k] wgmma A operand, bfloat16 128 + code·2^pos, from tile `part` of `parts` in a
     words-layout tile loaded by `_load_words` (`to_channel_major(words=True)`): one AND-OR a
     register (`lop3`: written as one inline LOP3; else as an AND and an OR, which ptxas emits
     as two), and one shift a word and window. The interpreter gathers the same values.
-    `cols`: only the tile's columns [c0, c1) (multiples of 8), a [64, c1 - c0] operand."""
+    `cols`: only the tile's columns [c0, c1) (multiples of 8), a [64, c1 - c0] operand.
+    `subnormal`: no 128, one AND a register: the code bits alone, read as bfloat16, are the
+    subnormal code·2^pos·SUB_E (exact; the tensor cores keep subnormal inputs); interpreted,
+    code·2^pos itself (`subnormal_factors`)."""
     c0, c1 = cols or (0, k)
     if interpret:  # (index arrays from iotas: a kernel may close over no array constant)
         rows, cols = (lax.broadcasted_iota(jnp.int32, (64, c1 - c0), a) for a in (0, 1))
@@ -185,9 +190,8 @@ def _word_codes(
         flat, bit = word_source_of(bits, k, parts, part, rows, cols)
         codes = (x.reshape(-1)[flat] >> bit.astype(jnp.uint32)) & jnp.uint32((1 << bits) - 1)
         pos = _word_place(bits, k, rows, cols)[3]
-        return (codes << pos.astype(jnp.uint32)).astype(jnp.float32).astype(
-            jnp.bfloat16
-        ) + jnp.bfloat16(WORD_BASE)
+        vals = (codes << pos.astype(jnp.uint32)).astype(jnp.float32).astype(jnp.bfloat16)
+        return vals if subnormal else vals + jnp.bfloat16(WORD_BASE)
     import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -218,7 +222,9 @@ def _word_codes(
                 _, j, sh, pos = (int(x) for x in _word_place(bits, k, 8 * r2, 8 * k8))
                 mask = (((1 << bits) - 1) << pos) * 0x10001  # both half-words
                 src = window(part * per + j, sh)
-                if lop3:  # (w & mask) | 0x43004300 as one LOP3 (ptxas made it two)
+                if subnormal:  # the code bits alone: a subnormal bfloat16 pair
+                    v = arith.andi(src, mgpu.utils.c(mask, i32))
+                elif lop3:  # (w & mask) | 0x43004300 as one LOP3 (ptxas made it two)
                     v = llvm.inline_asm(
                         i32, [src], f"lop3.b32 $0, $1, {mask:#010x}, 0x43004300, 0xea;", "=r,r"
                     )
@@ -229,6 +235,19 @@ def _word_codes(
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(x)
+
+
+SUB_SHIFT = 64  # under `subnormal`, S and the output are computed at 2^-SUB_SHIFT of their size
+
+
+def subnormal_factors(interpret: bool) -> tuple[float, float]:
+    """(e, kb) of the words' subnormal codes: an A operand is code·2^pos·e (e = 2^-133, the
+    bfloat16 subnormals' unit; interpreted, 1: the interpreter's CPU dots flush subnormals, so
+    it multiplies normal codes instead), q^T and each probability are multiplied by kb, and
+    e·kb = 2^-SUB_SHIFT either way: S and out^T come out of the dots at 2^-SUB_SHIFT of their
+    size (float32 keeps that), their B operands at kb times theirs (bfloat16 keeps 2^69)."""
+    e = 1.0 if interpret else 2.0**-133
+    return e, 2.0**-SUB_SHIFT / e
 
 
 def _code_offset(offset: bool, words: bool) -> float:
@@ -250,16 +269,25 @@ def key_bias(qt: Array, k_stats: Array, off: float) -> Array:
     """Each page's key bias for the folded keys, [B, Hkv, P, N] float32: Σ_c qt·zero less
     off·Σ_c bf16(qt·scale) (the offset codes' share of the B operand as the kernel rounds it),
     what `fold` sums in the loop otherwise. qt [B, Hkv, D, N] float32 (q^T, over the words'
-    powers of two); k_stats [B, Hkv, P, 2, D] bfloat16 kernel-ready (scale, zero)."""
+    powers of two); k_stats [B, Hkv, P, 2, D] bfloat16 kernel-ready (scale, zero).
+
+    Without an offset, one bfloat16 dot with float32 results: qt is a bfloat16 q times powers
+    of two, so exact in bfloat16, and each product exact in float32 (float32 operands would
+    take XLA's six-pass HIGHEST-precision dot, or a rounding one)."""
+    if not off:
+        qb = qt.astype(jnp.bfloat16)
+        return jnp.einsum(
+            "bhdn,bhpd->bhpn", qb, k_stats[:, :, :, 1], preferred_element_type=jnp.float32
+        )
     scale = k_stats[:, :, :, 0].astype(jnp.float32)  # [B, Hkv, P, D]
     zero = k_stats[:, :, :, 1].astype(jnp.float32)
     hi = lax.Precision.HIGHEST
     bias = jnp.einsum("bhdn,bhpd->bhpn", qt, zero, precision=hi)
-    if off:  # bfloat16-rounded as the kernel stores it: through its bits, which XLA's excess
-        # precision (a float32 → bfloat16 → float32 round trip elided) cannot skip
-        qs = (qt[:, :, None] * scale[..., None]).astype(jnp.bfloat16)
-        bits = lax.bitcast_convert_type(qs, jnp.uint16).astype(jnp.uint32) << 16
-        bias = bias - off * lax.bitcast_convert_type(bits, jnp.float32).sum(axis=3)
+    # The offset codes' share, bfloat16-rounded as the kernel stores it: through its bits,
+    # which XLA's excess precision (a float32 → bfloat16 → float32 round trip elided) cannot skip
+    qs = (qt[:, :, None] * scale[..., None]).astype(jnp.bfloat16)
+    bits = lax.bitcast_convert_type(qs, jnp.uint16).astype(jnp.uint32) << 16
+    bias = bias - off * lax.bitcast_convert_type(bits, jnp.float32).sum(axis=3)
     return bias
 
 
@@ -321,6 +349,7 @@ def _kernel(
     bias_outside: bool = False,
     tc_bias: bool = False,
     qk_split: bool = False,
+    subnormal: bool = False,
 ):
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, ks_smem, vs_smem, pos_smem, p_smem, lse_smem, *stage = refs[
@@ -349,7 +378,11 @@ def _kernel(
     else:
         k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
-    off = _code_offset(offset, words)
+    off = 0.0 if subnormal else _code_offset(offset, words)
+    # subnormal: the dots give S and out^T at 2^-SUB_SHIFT, the bias (from q^T·kb) at kb times
+    # its size, and each probability carries kb (its exponent shifted by log kb)
+    kb = subnormal_factors(interpret)[1] if subnormal else 1.0
+    log_kb = math.log(kb) if subnormal else 0.0
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     pages_cap = k_ref.shape[3]
@@ -479,7 +512,9 @@ def _kernel(
             if words:
                 kc = _load_words(k_smem.at[slot, j], interpret)
                 for acc_ref, c0 in ((s_ref, 0), (s_ref2, half)):
-                    keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3, cols=(c0, c0 + half))
+                    keys = _word_codes(
+                        kc, bits, d, 0, 1, interpret, lop3, (c0, c0 + half), subnormal
+                    )
                     qs_half = qs_smem.at[j, :, pl.ds(c0, half)].T
                     plgpu.wgmma(acc_ref, operand(keys, va_smem), qs_half)
                 return
@@ -491,7 +526,7 @@ def _kernel(
             return
         if words:  # one 128-bit load a thread, then one AND-OR a register
             kc = _load_words(k_smem.at[slot, j], interpret)
-            keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3)  # [64 tokens, D]
+            keys = _word_codes(kc, bits, d, 0, 1, interpret, lop3, None, subnormal)  # [64, D]
             plgpu.wgmma(s_ref, operand(keys, ka_smem), qs_smem.at[j].T)
             return
         # [64 tokens, D·bits/8] uint8 in registers (native: the [64, D·bits/4] int4 tile)
@@ -525,7 +560,9 @@ def _kernel(
                 if words:  # the page's value tile, both halves: loaded once
                     if j not in tiles:
                         tiles[j] = _load_words(v_smem.at[slot, j], interpret)
-                    codes = _word_codes(tiles[j], bits, 64, r, halves, interpret, lop3)
+                    codes = _word_codes(
+                        tiles[j], bits, 64, r, halves, interpret, lop3, None, subnormal
+                    )
                 elif native:  # [64 channels, 64 tokens] int4 (2 bits: half r = nibble slice r)
                     row0 = r * 64 if bits == 4 else 0
                     if (j, row0) not in tiles:
@@ -550,9 +587,17 @@ def _kernel(
         ss, keep = list(ss), []
         for j in range(pp):
             s = ss[j]
-            if fold_keys and biases[j] is not None:  # each column's share of the zeros (and
-                # of the codes' offset); with tc_bias the dots added it
-                s = s + lax.broadcast_in_dim(biases[j], s.shape, [1])
+            # The logits: with folded keys, each column's share of the zeros (and of the codes'
+            # offset) added (with tc_bias the dots added it); under subnormal S comes at
+            # 2^-SUB_SHIFT and the bias at kb times its size, each scaled back with the logits.
+            if subnormal:
+                s = s * (scale * 2.0**SUB_SHIFT) + lax.broadcast_in_dim(
+                    biases[j] * (scale / kb), s.shape, [1]
+                )
+            else:
+                if fold_keys and biases[j] is not None:
+                    s = s + lax.broadcast_in_dim(biases[j], s.shape, [1])
+                s = s * scale
             pos = plgpu.load(pos_smem.at[slot, j], layout=row, optimized=True)
             if valid is not None:  # a vector of `valid` in the rows' layout
                 keep.append((pos == pos) & valid)
@@ -562,7 +607,7 @@ def _kernel(
                 own = own & valid
             # A step's pages past the extent (an odd extent) are not attended either.
             seen = (pos >= 0) & (pos <= qpos) & own & (page < extent)
-            s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s * scale, -jnp.inf)
+            s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
             if logits_ref is not None:  # the page's scaled logits, [64 tokens, N]
 
                 @pl.when(own)
@@ -573,7 +618,8 @@ def _kernel(
         top = functools.reduce(jnp.maximum, ss)  # the step's one cross-warp reduction
         m_new = jnp.maximum(m, top.max(axis=0))
         corr = lax.broadcast_in_dim(jnp.exp(m - m_new), top.shape, [1])
-        ps = [jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1])) for s in ss]
+        m_exp = m_new - log_kb if subnormal else m_new  # subnormal: p·kb (P' is the B operand)
+        ps = [jnp.exp(s - lax.broadcast_in_dim(m_exp, s.shape, [1])) for s in ss]
         # The denominator and the value zeros' share stay [64, N] tiles, their rows summed
         # once after the loop.
         l = functools.reduce(jnp.add, ps, l * corr)
@@ -687,9 +733,12 @@ def _kernel(
     l = l.sum(axis=0)
     has = l > 0
     safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), (64, cols), [1])
-    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    lse = m + jnp.log(jnp.where(has, l, 1.0)) - log_kb  # (l carries kb under subnormal)
+    lse_smem[...] = jnp.where(has, lse, -jnp.inf)
     zsum = [lax.broadcast_in_dim(z.sum(axis=0), (64, cols), [1]) for z in zt]
     for r, a in enumerate(acc):
+        if subnormal:  # out^T came at e·kb (the dots), the zeros' tile at kb: a / e
+            a = a * 2.0**SUB_SHIFT * kb  # (1/e as two factors: 2^133 is no float32)
         o_ref[b, h, split, pl.ds(r * 64, 64)] = (a + zsum[grp[r]]) / safe
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
@@ -715,6 +764,7 @@ def _kernel(
         "bias_outside",
         "tc_bias",
         "qk_split",
+        "subnormal",
         "interpret",
     ),
 )
@@ -739,6 +789,7 @@ def decode_attention_lowbit_mgpu(
     bias_outside: bool | None = None,
     tc_bias: bool | None = None,
     qk_split: bool | None = None,
+    subnormal: bool | None = None,
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
@@ -808,6 +859,15 @@ def decode_attention_lowbit_mgpu(
             (two 64-channel halves; the words layout, or two code slices a byte or nibble) and
             no overlap. Default: whether the device's Tuning.mgpu_lowbit_qk_split names these
             bits, where it applies.
+        subnormal: the words layout's codes become the dots' A operand by one AND a register
+            (no OR of bfloat16 128): the code bits alone are a subnormal bfloat16,
+            code·2^pos·2^-133, exact, and the tensor cores keep subnormal inputs. No offset
+            then: the key bias is the zeros' share alone, the value zeros' tile needs no
+            offset taken out. q^T and each probability carry 2^69 (their exponents: q^T before
+            the launch, p by its max), so the dots give S and out^T at 2^-64 of their size,
+            scaled back with the logit scale and at the end. Needs the words layout; not with
+            tc_bias. Default: whether the device's Tuning.mgpu_lowbit_subnormal names these
+            bits, for the words layout.
         interpret: run in the Mosaic GPU interpreter (CPU tests).
         layer: None, or an int32 scalar: the tier's code, statistics and position arrays are
             then stacks [L, ...] of a stacked cache, read at this layer in place (no slice of
@@ -905,6 +965,20 @@ def decode_attention_lowbit_mgpu(
             "D=128 and the words layout or two code slices a stored byte/nibble (got "
             f"fold_keys={fold}, overlap={overlap}, D={d}, {view.k.dtype} codes at {bits} bits)"
         )
+    if subnormal is None:
+        sub = words and bits in tune.mgpu_lowbit_subnormal and not tc
+    else:
+        sub = bool(subnormal)
+    if sub and not words:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): subnormal=True needs the words layout "
+            f"(to_channel_major(words=True)), got {view.k.dtype} codes"
+        )
+    if sub and tc:
+        raise ValueError(
+            "decode attention (Mosaic GPU low-bit): subnormal=True and tc_bias=True: the key "
+            "bias's dots would add it to S at another scale; pick one"
+        )
     splits = num_splits or _num_splits(b, hkv, steps, tune.mgpu_lowbit_target_programs)
     cols = 8 if group <= 8 else COLS
     mp = bias_pages(steps, splits, pp)  # a split's most pages: its biases in shared memory
@@ -919,8 +993,10 @@ def decode_attention_lowbit_mgpu(
     qt = jnp.swapaxes(qp, -1, -2).astype(jnp.float32) if fold else jnp.zeros((1,), jnp.float32)
     if words:  # each key channel's power of two (`word_factor`) divided out of q, exactly
         qt = qt / jnp.asarray(word_factor(bits, d))[None, None, :, None]
+    if sub:  # q^T at kb times its size (a power of two: exact)
+        qt = qt * subnormal_factors(interpret)[1]
     if outside:
-        off = _code_offset(offset, words)
+        off = 0.0 if sub else _code_offset(offset, words)
         k_stats = tier.k_stats if layer is None else jnp.take(tier.k_stats, layer, axis=0)
         # MP pages of zeros past the end: a split's one copy of MP pages from its first page
         # stays inside the array (the pages past its own are never read)
@@ -993,6 +1069,7 @@ def decode_attention_lowbit_mgpu(
         bias_outside=bool(outside),
         tc_bias=tc,
         qk_split=qsplit,
+        subnormal=sub,
     )
     launch = decode_grid(
         body,

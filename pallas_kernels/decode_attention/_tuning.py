@@ -63,6 +63,8 @@ class Tuning:
             repeated) instead of summing it across the warpgroup's warps.
         mgpu_lowbit_qk_split: bit widths at which the folded low-bit kernel issues each page's
             QK dot as two independent chains (two 64-channel halves, two accumulators).
+        mgpu_lowbit_subnormal: bit widths at which the words layout's codes become the low-bit
+            kernel's dot operands as subnormal bfloat16s (one AND a register, no offset).
         fused_combine: whether `decode_attention` combines a lone full tier's Triton splits
             with one kernel (`combine_triton`) instead of XLA's ops.
         mgpu_lowbit_words_lop3: whether the words layout's code conversion is written as one
@@ -109,6 +111,7 @@ class Tuning:
     mgpu_lowbit_bias_outside: tuple[int, ...] = ()
     mgpu_lowbit_tc_bias: tuple[int, ...] = ()
     mgpu_lowbit_qk_split: tuple[int, ...] = ()
+    mgpu_lowbit_subnormal: tuple[int, ...] = ()
     # On: at B = 1, 32K its one launch (2.76 us) replaces XLA's three (5.5 us), kernels 58.7 ->
     # 56.3 us a call in a profiler trace; the timed loop moved more run to run (67.0-73.2 against
     # 69.2-73.5 us); B = 8 BF16 equal (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
@@ -150,11 +153,12 @@ _HOPPER = Tuning(
     # (H200, 2026-12-03; docs/lab/2026-12-03-h200-kernel-layout-cache.md). Under the layer
     # scan, read in the stack in place: 32 layers 12.51 / 12.42 ms (INT2 / INT4) against
     # token-major 15.92 / 19.99 (full 14.25).
-    # Not "words" (yet): its kernel is faster (B = 8, 16K / 32K / 64K, INT2 81.6 / 147.7 / 283.3
-    # -> 73.8 / 135.1 / 252.6 us, INT4 88.4 / 162.1 / 309.3 -> 83.6 / 151.2 / 289.3), but KIVI's
-    # INT2 step was slower with it, 11.92 -> 12.96 ms (policy 0.27 -> 1.71 ms: the words' pack
-    # is a gather; H100, 2026-12-06; docs/lab/2026-12-06-h100-timing-loop.md).
-    lowbit_cache_layout="kernel",
+    # "words" (the codes in the dots' register order): its kernel is faster (B = 8, 16K / 32K /
+    # 64K, INT2 81.6 / 147.7 / 283.3 -> 73.8 / 135.1 / 252.6 us, INT4 88.4 / 162.1 / 309.3 ->
+    # 83.6 / 151.2 / 289.3), and since its pack is reshapes and one transpose (not a gather)
+    # KIVI's step is too: INT2 11.82 / 11.83 -> 11.43 / 11.44 ms, INT4 13.02 -> 11.87 at B = 8,
+    # 32K, layer scan, interleaved (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-default.md).
+    lowbit_cache_layout="words",
     # INT2 over int4 codes with the key statistics on q, codes read as code + 136 and one
     # barrier a stage: B = 8, 16K / 32K / 64K 124.8 / 251.8 / 387.5 -> 107.7 / 187.7 / 341.5 µs
     # (1.79-1.91x -> 2.07-2.17x cuDNN BF16). INT4 ran slower folded (111.9 / 191.5 / 350.3 ->
@@ -180,6 +184,11 @@ _HOPPER = Tuning(
     # (it applies to folded keys: the words layout; H100, 2026-12-06; docs/lab/
     # 2026-12-06-h100-timing-loop.md).
     mgpu_lowbit_qk_split=(4,),
+    # The words' codes as subnormal bfloat16s (one AND a register, no offset in the key bias
+    # or the value zeros' tile): B = 8, 16K / 32K / 64K, INT2 words 73.6 / 134.1 / 256.1 ->
+    # 71.0 / 127.6 / 236.1 us, INT4 words 81.9 / 151.5 / 288.5 -> 79.4 / 145.8 / 278.5 (H100,
+    # 2026-12-06; docs/lab/2026-12-06-h100-words-default.md).
+    mgpu_lowbit_subnormal=(2, 4),
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,

@@ -220,6 +220,28 @@ class TestMgpuLowbit:
         self._check(case, native, 3, fold_keys=True, qk_split=True, **kw)
 
     @pytest.mark.parametrize(
+        "case, kw",
+        [
+            (CASES[1], dict(one_barrier=True, return_logits=True)),
+            (CASES[0], dict(qk_split=True)),
+            (CASES[4], dict()),
+            (CASES[1], dict(pages_per_step=2, return_logits=True)),
+            (CASES[1], dict(bias_outside=True, one_barrier=True)),
+            (LONG, dict(overlap=True, one_barrier=True, lean_barriers=True)),
+            (LONG, dict(stages=3, return_logits=True)),
+        ],
+        ids=["int2-logits", "int4-split-dot", "int4-g16", "int2-two-pages", "int2-bias-outside",
+             "int2-long-overlapped-lean", "int2-long-3-stages"],
+    )  # fmt: skip
+    def test_subnormal_codes_match_float64(self, case, kw):
+        """subnormal=True: the words' codes as subnormal bfloat16s (no 128), S and out^T from
+        the dots at 2^-64 of their size, q^T and the probabilities at 2^69; with logits (the
+        same S scaled back), two pages a step, the key bias before the launch, the overlapped
+        loop, ~8 pages a split in the long cases. Compiled, this checks that the tensor cores
+        keep subnormal operands; interpreted, the scaling (normal codes, 2^-64 on q and p)."""
+        self._check(case, "words", 3, subnormal=True, **kw)
+
+    @pytest.mark.parametrize(
         "case, native, kw",
         [
             (CASES[1], True, dict(fold_keys=True, int4_offset=True, one_barrier=True)),
@@ -278,7 +300,7 @@ class TestMgpuLowbit:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
         np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
         if kw.get("return_logits"):  # the low-bit tier's logits, [B, Hkv, G, P·64]
-            _check_logits(res.logits, logits[-1], seen[-1])
+            _check_logits(res.logits, logits[-1], seen[-1], tier.extent)
         else:
             assert res.logits is None
 
@@ -415,6 +437,11 @@ def test_unsupported_input_gets_one_clear_error():
             qk_split=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"qk_split=True needs .*fold_keys=False"):
         run(q, tier, q_pos, bits=4, fold_keys=False, qk_split=True)
+    with pytest.raises(ValueError, match=r"subnormal=True needs the words layout"):
+        run(q, tier, q_pos, bits=4, subnormal=True)
+    with pytest.raises(ValueError, match=r"subnormal=True and tc_bias=True"):
+        run(q, to_channel_major(lowbit, 4, words=True), q_pos, bits=4, subnormal=True,
+            tc_bias=True)  # fmt: skip
     words = to_channel_major(lowbit, 4, words=True)
     with pytest.raises(ValueError, match="the words layout needs fold_keys"):
         run(q, words, q_pos, bits=4, fold_keys=False)
@@ -501,6 +528,14 @@ def test_kernel_with_split_key_dot_lowers_for_h200(bits, codes, fold, kw):
     _lowers_for_h200(bits, codes, True, fold, qk_split=True, **kw)
 
 
+@pytest.mark.parametrize(
+    "bits, kw",
+    [(2, dict(one_barrier=True)), (4, dict(qk_split=True)), (2, dict(bias_outside=True))],
+)
+def test_kernel_with_subnormal_codes_lowers_for_h200(bits, kw):
+    _lowers_for_h200(bits, "words", True, "fold", subnormal=True, **kw)
+
+
 def _lowers_for_h200(bits, codes, logits, fold, **kw):
     if fold.startswith("fold+offset") and not codes.startswith("int4"):
         pytest.skip("int4_offset needs int4 codes")
@@ -568,17 +603,20 @@ def test_decode_attention_routes_a_channel_major_tier_to_the_mosaic_kernel():
     )  # fmt: skip
     _, _, logits, seen = oracle(q, q_pos, full, None, lowbit, 2, scale)
     assert len(got.logits) == 2
-    _check_logits(got.logits[1], logits[1], seen[1])
+    _check_logits(got.logits[1], logits[1], seen[1], cm.extent)
 
 
-def _check_logits(got, want, seen):
+def _check_logits(got, want, seen, extent):
     """A kernel's logits against the float64 oracle's: equal on the visible slots (bfloat16
-    dequantized keys: within TOL of the largest), -inf on the read slots that are not."""
+    dequantized keys: within TOL of the largest), -inf on the slots of the pages the kernel
+    reads (those below each head's `extent` [B, Hkv]) that are not visible. The other pages'
+    slots hold whatever the output buffer held (finite garbage, on a GPU, as often as not)."""
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape
     vis = np.broadcast_to(seen[:, :, None], want.shape)
     assert np.all(np.isfinite(got[vis]))
     err = np.max(np.abs(got[vis] - want[vis])) / np.max(np.abs(want[vis]))
     assert err < TOL, err
-    read = np.isfinite(got) | np.isneginf(got)  # unread pages hold whatever was there
-    assert np.all(np.isneginf(got[read & ~vis]))
+    page = np.arange(got.shape[-1]) // MGPU_LOWBIT_PAGE
+    read = page[None, None, None, :] < np.asarray(extent)[:, :, None, None]
+    assert np.all(np.isneginf(got[np.broadcast_to(read, got.shape) & ~vis]))
