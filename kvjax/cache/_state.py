@@ -25,8 +25,7 @@ from kvjax.quant import (
     dequantize_words_pages,
     pack,
     quantize_kernel_pages,
-    quantize_per_channel,
-    quantize_per_token,
+    quantize_keys_values,
     quantize_words_pages,
     unpack,
 )
@@ -238,7 +237,7 @@ class LowBitTier(_Pages):
     def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
         """Pages `page` [B, Hkv, m] (clipped into [0, P)) dequantized: keys and values
         [B, Hkv, m, G, D] `dtype`."""
-        at = _page_at(page)
+        at = _page_at(page, self.k.ndim)  # (the statistics have at most as many axes)
         k = dequantize_per_channel(
             unpack(at(self.k), self.bits), at(self.k_scale), at(self.k_zero), dtype
         )
@@ -256,8 +255,9 @@ class LowBitTier(_Pages):
     def write(self, page: Array, xk: Array, xv: Array) -> LowBitTier:
         """Keys and values [B, Hkv, m, G, D] quantized into pages `page` [B, Hkv, m] (an index
         ≥ P is dropped: nothing written); positions, scores and `held` are the caller's."""
-        kc, ks, kz = quantize_per_channel(xk, self.bits)
-        vc, vs, vz = quantize_per_token(xv, self.bits, xv.shape[-1] // self.v_scale.shape[-1])
+        (kc, ks, kz), (vc, vs, vz) = quantize_keys_values(
+            xk, xv, self.bits, xv.shape[-1] // self.v_scale.shape[-1]
+        )
         put = _page_put(page)
         return self.replace(
             k=put(self.k, pack(kc, self.bits)),
@@ -269,13 +269,19 @@ class LowBitTier(_Pages):
         )
 
 
-def _page_at(page: Array):
-    """`a` → a[b, h, page[b, h, j]] for every page array a [B, Hkv, P, ...] (page clipped into
-    [0, P): in-range indices need no bounds mask, a smaller kernel for each gather and for
-    the dequantization fused after it)."""
-    return lambda a: jnp.take_along_axis(
-        a, page.reshape(page.shape + (1,) * (a.ndim - 3)), axis=2, mode="clip"
-    )
+def _page_at(page: Array, rank: int):
+    """`a` → a[b, h, page[b, h, j]] for every page array a [B, Hkv, P, ...] of up to `rank`
+    axes (page clipped into [0, P): in-range indices need no bounds mask, a smaller kernel
+    for each gather and for the dequantization fused after it). Each is gathered viewed with
+    `rank` axes (size-1 axes after P, a free reshape), so that the gathers of all the tier's
+    arrays share one index computation, one kernel to compile instead of one per rank."""
+
+    def at(a):
+        x = a.reshape(*a.shape[:3], *(1,) * (rank - a.ndim), *a.shape[3:])
+        idx = page.reshape(page.shape + (1,) * (rank - 3))
+        return jnp.take_along_axis(x, idx, axis=2, mode="clip").reshape(*page.shape, *a.shape[3:])
+
+    return at
 
 
 def _page_put(page: Array):
@@ -322,7 +328,7 @@ class KernelLowBitTier(_Pages):
     def read(self, page: Array, dtype: Any) -> tuple[Array, Array]:
         """Pages `page` [B, Hkv, m] (clipped into [0, P)) dequantized: keys and values
         [B, Hkv, m, G, D] `dtype`."""
-        at = _page_at(page)
+        at = _page_at(page, max(self.k.ndim, self.v_stats.ndim))
         dequantize = self._codec()[1]
         return dequantize(
             at(self.k), at(self.v), at(self.k_stats), at(self.v_stats), self.bits, dtype

@@ -26,6 +26,7 @@ from kvjax.quant._lowbit import (
     bytes_per_token,
     dequantize_per_channel,
     dequantize_per_token,
+    quantize_keys_values,
     quantize_per_channel,
     quantize_per_token,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "quantize_int8",
     "quantize_int8_channel",
     "quantize_kernel_pages",
+    "quantize_keys_values",
     "quantize_offset",
     "quantize_per_channel",
     "quantize_per_token",

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.quant._checks import as_codes, as_float, as_stat, check_bits, check_out_dtype
 from kvjax.quant._pack import codes_per_byte
@@ -121,6 +122,56 @@ def quantize_per_token(x: Array, bits: int, group: int | None = None) -> tuple[A
     grouped = x.reshape(*x.shape[:-1], d // group, group)
     codes, scale, zero = _asymmetric(grouped, bits, axis=-1)
     return codes.reshape(x.shape), scale[..., 0], zero[..., 0]
+
+
+def quantize_keys_values(
+    k: Array, v: Array, bits: int, group: int | None = None
+) -> tuple[tuple[Array, Array, Array], tuple[Array, Array, Array]]:
+    """`quantize_per_channel(k, bits)` and `quantize_per_token(v, bits, group)` at once: the
+    same codes and statistics, with the statistics' roundings done once over both end to end
+    (under jit a kernel each for the two tensors together, not one each per tensor).
+
+    Args:
+        k: [..., T, D] keys, any float dtype.
+        v: [..., T, D] values (the same leading axes, T and D).
+        bits: 2, 4 or 8 (static).
+        group: channels per value group (static; None: all D).
+
+    Returns:
+        (codes, scale, zero) of the keys, as `quantize_per_channel`, and of the values, as
+        `quantize_per_token`.
+    """
+    k, v = as_float(k, "k"), as_float(v, "v")
+    if k.ndim < 2 or k.shape[-2] == 0 or k.shape != v.shape:
+        raise ValueError(f"k and v must be [..., T, D] of one shape, got {k.shape}, {v.shape}")
+    *lead, t, d = k.shape
+    group = d if group is None else group
+    if group <= 0 or d % group:
+        raise ValueError(f"group must be > 0 and divide D={d}, got group={group}")
+    levels = (1 << check_bits(bits)) - 1
+    kf = k.astype(jnp.float32)
+    vf = v.astype(jnp.float32).reshape(*lead, t, d // group, group)
+    # [..., D + T·D/group]: the keys' statistics per channel, then the values' per token and group
+    n_v = t * (d // group)
+    at = np.arange(d + n_v) < d
+    pad = lambda x, lo, hi: jnp.pad(x, ((0, 0),) * len(lead) + ((lo, hi),))
+    both = lambda f: jnp.where(
+        at, pad(f(kf, axis=-2), 0, n_v), pad(f(vf, axis=-1).reshape(*lead, -1), d, 0)
+    )
+    # Each materialized once (else XLA fuses the rounding into every consumer, a kernel each).
+    zero = jax.lax.optimization_barrier(_to_bf16(both(jnp.min), up=False))
+    scale = jax.lax.optimization_barrier(_to_bf16((both(jnp.max) - zero) / levels, up=True))
+    safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    code = lambda x, z, s: jnp.clip(jnp.round((x - z) / s), 0, levels).astype(jnp.uint8)
+    k_codes = code(kf, zero[..., None, :d], safe[..., None, :d])
+    vz, vs = (x[..., d:].reshape(*lead, t, d // group, 1) for x in (zero, safe))
+    v_codes = code(vf, vz, vs).reshape(k.shape)
+    stat = lambda x, part: x[..., part].astype(STAT_DTYPE)
+    v_stat = lambda x: stat(x, slice(d, None)).reshape(*lead, t, d // group)
+    return (
+        (k_codes, stat(scale, slice(d)), stat(zero, slice(d))),
+        (v_codes, v_stat(scale), v_stat(zero)),
+    )
 
 
 def dequantize_per_token(

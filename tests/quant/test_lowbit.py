@@ -16,6 +16,7 @@ from kvjax.quant import (
     dequantize_per_channel,
     dequantize_per_token,
     pack,
+    quantize_keys_values,
     quantize_per_channel,
     quantize_per_token,
 )
@@ -109,6 +110,23 @@ def test_matches_reference_and_bound(case, bits, group):
     )
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "group"))
+def keys_values_apart_and_at_once(k, v, bits, group):
+    apart = quantize_per_channel(k, bits), quantize_per_token(v, bits, group)
+    return apart, quantize_keys_values(k, v, bits, group)
+
+
+@given(inputs(), st.sampled_from(BITS), st.sampled_from((None, 1, 4)))
+def test_keys_values_at_once_equal_apart(case, bits, group):
+    # The same codes and statistics, bit for bit, under jit (how the cache's tier writes).
+    x, _ = case
+    group = group if group is None or x.shape[-1] % group == 0 else None
+    apart, at_once = keys_values_apart_and_at_once(x, -jnp.flip(x, -1), bits, group)
+    for a, b in zip(jax.tree.leaves(apart), jax.tree.leaves(at_once), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 def test_statistics_round_outward_golden():
     # 1 + 2**-10 is not a bfloat16 (8 significant bits): a minimum of -(1 + 2**-10) rounds down to
     # -(1 + 2**-7); the maximum 2 then needs a step (2 + 1 + 2**-7) / 3 = 1.0026..., rounded up to
@@ -194,6 +212,8 @@ def test_bad_inputs():
         quantize_per_token(jnp.ones((4,), jnp.uint8), 4)
     with pytest.raises(ValueError, match="group must be > 0 and divide D=4, got group=3"):
         quantize_per_token(x, 2, group=3)
+    with pytest.raises(ValueError, match="k and v must be"):
+        quantize_keys_values(x, jnp.ones((2, 8)), 2)
     codes, scale, zero = jnp.zeros((2, 4), jnp.uint8), jnp.ones((2, 2)), jnp.zeros((2, 2))
     with pytest.raises(ValueError, match="codes must have dtype uint8, got int8"):
         dequantize_per_token(codes.astype(jnp.int8), scale, zero)
