@@ -76,16 +76,16 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     Returns:
         The layers with codes and K/V moved.
     """
-    rounds_q, rounds_fp = jnp.max(jnp.stack([j.plan.rounds for j in jobs]), axis=0)
+    rounds = jnp.max(jnp.stack([j.plan.rounds for j in jobs]), axis=0)
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
-    def body(r, carry):
+    def body(r, rounds_q, carry):
         return tuple(
             _move_round(j, c, r, rounds_q, moves) for j, c in zip(slim, carry, strict=True)
         )
 
     init = tuple((j.layer.k, j.layer.v, j.layer.lowbit) for j in jobs)
-    out = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, init)
+    out = _rounds_loop(rounds, body, init)
     return tuple(
         j.layer.replace(k=k, v=v, lowbit=lb) for j, (k, v, lb) in zip(jobs, out, strict=True)
     )
@@ -101,12 +101,25 @@ def apply_moves_stacked(job: MoveJob, lay, rounds: Array, *, moves: int | None):
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    rounds_q, rounds_fp = rounds
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
-    one = lambda j, c, r: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
-    body = lambda r, c: jax.vmap(one, in_axes=(0, 0, None))(slim, c, r)
-    k, v, lb = jax.lax.fori_loop(0, rounds_q + rounds_fp, body, (layer.k, layer.v, layer.lowbit))
+    one = lambda j, c, r, rounds_q: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
+    body = lambda r, rounds_q, c: jax.vmap(one, in_axes=(0, 0, None, None))(slim, c, r, rounds_q)
+    k, v, lb = _rounds_loop(rounds, body, (layer.k, layer.v, layer.lowbit))
     return layer.replace(k=k, v=v, lowbit=lb)
+
+
+def _rounds_loop(rounds: Array, body, init):
+    """`body(r, rounds_q, carry) -> carry` for r in [0, rounds_q + rounds_fp), rounds [2]
+    int32 = (rounds_q, rounds_fp). The rounds ride in the loop's carry, their sum taken in its
+    condition and rounds_q read in its body: sliced out before the loop, each scalar was a
+    kernel of its own."""
+
+    def step(c):
+        r, n, x = c
+        return r + 1, n, body(r, n[0], x)
+
+    cond = lambda c: c[0] < c[1][0] + c[1][1]
+    return jax.lax.while_loop(cond, step, (jnp.zeros((), jnp.int32), rounds, init))[2]
 
 
 def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | None):
@@ -123,7 +136,8 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
     n_q, _, m = move_sizes(lay, job.new_k.shape[2], moves)
     quantize = r < rounds_q
-    start = jnp.where(quantize, r * m, _round_up(n_q, m) + (r - rounds_q) * m)
+    # (after the plan's F metadata-only entries)
+    start = f + jnp.where(quantize, r * m, _round_up(n_q, m) + (r - rounds_q) * m)
     src = jax.lax.dynamic_slice_in_dim(plan.src, start, m, axis=2)  # [B, H, m]
     dst = jax.lax.dynamic_slice_in_dim(plan.dst, start, m, axis=2)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)

@@ -101,7 +101,7 @@ def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
     indices [B, H, n_i] int32 with the True entries first, each part in index order (what
     `argsort(~flag, stable=True)` gives), from one sort of all of them end to end; and the
     True entries of the first `counted` arrays, [B, H, counted] int32. A list of arrays in
-    `flags` is one flag array, them end to end (one concatenation to compile for all).
+    `flags` is one flag array, them end to end (all joined at once: one kernel to compile).
 
     The sort is of one int32 key, (segment, ~flag, index) packed into bits, which are
     distinct, so its order is the stable one and the index is the key's low bits (one operand
@@ -117,7 +117,7 @@ def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
     seg = np.concatenate([np.full(n, 2 * i, np.int32) for i, n in enumerate(sizes)])
     local = np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])
     bcast = lambda x: jnp.asarray(x).reshape((1,) * len(lead) + x.shape)
-    missing = jnp.concatenate([~p for f in flags for p in f], axis=-1)  # [B, H, Σ n_i]
+    missing = jax.lax.optimization_barrier(join([~p for f in flags for p in f]))  # [B, H, Σ n_i]
     key = ((bcast(seg) + missing.astype(jnp.int32)) << shift) | bcast(local)
     idx = jax.lax.sort(key, dimension=-1) & ((1 << shift) - 1)
     parts = jnp.split(idx, np.cumsum(sizes)[:-1].tolist(), axis=-1)
@@ -129,3 +129,18 @@ def true_first(flags: list[Array | list[Array]], *, counted: int = 0):
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     ).astype(jnp.int32)  # fmt: skip
     return parts, bcast(np.asarray(sizes[:counted], np.int32)) - absent
+
+
+def join(pieces: list[Array]) -> Array:
+    """[..., n_i] arrays end to end along the last axis, as selects of pads. Behind an
+    optimization barrier this is one kernel, where XLA:CPU compiles a concatenation with
+    each operand computed by a kernel of its own (it fuses none into the concatenation)."""
+    sizes = [p.shape[-1] for p in pieces]
+    ends = np.cumsum(sizes)
+    lead = ((0, 0),) * (pieces[0].ndim - 1)
+    at = np.arange(ends[-1]).reshape((1,) * len(lead) + (-1,))
+    pad = lambda i: jnp.pad(pieces[i], (*lead, (ends[i] - sizes[i], ends[-1] - ends[i])))
+    out = pad(len(pieces) - 1)
+    for i in range(len(pieces) - 2, -1, -1):
+        out = jnp.where(at < ends[i], pad(i), out)
+    return out

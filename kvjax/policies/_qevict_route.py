@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.policies._qevict_move import move_sizes, put
-from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, true_first
+from kvjax.policies._qevict_rank import EVICTED, FP, INT, assign_tiers, join, true_first
 
 Array = jax.Array
 
@@ -100,14 +100,17 @@ class RouteState(NamedTuple):
 
 class MovePlan(NamedTuple):
     """The windows a routing event moves, as one list processed `moves` entries per round:
-    first the windows to quantize, then the windows entering full precision.
+    first the windows to quantize, then the windows entering full precision. It opens with F
+    entries that move no data, only metadata (`route` writes every entry's): the window of
+    full-precision slot f demoted back onto its ledger page, whose codes are already there.
 
     Attributes:
-        src: [B, H, Lq + Lf] int32 the candidate each entry reads: a full-precision window
-            slot f in [0, F), a page F + p, or a window leaving the ring F + P + k. Entries
-            [0, Lq) are quantize moves (the needed ones first), [Lq, Lq + Lf) promote moves.
-        dst: [B, H, Lq + Lf] int32 where each entry goes: a page (quantize; P = nowhere) or a
-            full-precision window slot (promote; F = nowhere).
+        src: [B, H, F + Lq + Lf] int32 the candidate each entry reads: a full-precision
+            window slot f in [0, F), a page F + p, or a window leaving the ring F + P + k.
+            Entries [0, F) are slot f's demotion back onto its ledger, [F, F + Lq) quantize
+            moves (the needed ones first), [F + Lq, F + Lq + Lf) promote moves.
+        dst: [B, H, F + Lq + Lf] int32 where each entry goes: a page (the first two kinds;
+            P = nowhere) or a full-precision window slot (promote; F = nowhere).
         rounds: [2] int32 rounds of each kind, quantize then promote (0 when nothing moves;
             one array: two would each be sliced out by a kernel of its own).
     """
@@ -125,7 +128,7 @@ def empty_plan(b: int, h: int, lay: Layout, kk: int, moves: int | None) -> MoveP
     """The plan of a step without a routing event: nothing moves (zero rounds: the lists are
     never read)."""
     n_q, n_fp, m = move_sizes(lay, kk, moves)
-    lists = jnp.zeros((b, h, _round_up(n_q, m) + _round_up(n_fp, m)), jnp.int32)
+    lists = jnp.zeros((b, h, lay.fp_windows + _round_up(n_q, m) + _round_up(n_fp, m)), jnp.int32)
     return MovePlan(src=lists, dst=lists, rounds=jnp.zeros((2,), jnp.int32))
 
 
@@ -161,21 +164,27 @@ def route(
     kk = new_win.shape[-1]
     led = st.fp_ledger
     fp_pos = st.pos[:, :, base:].reshape(b, h, f, w)
-    first_fp = _column(fp_pos, 0)
-    fp_win = jnp.where(first_fp >= 0, (first_fp - lay.sinks) // w, -1)
     fp_score = jnp.sum(st.score[:, :, base:].reshape(b, h, f, w), axis=-1)
-    first_pg = _column(st.page_pos, 0)
-    active = first_pg >= 0
-    pg_win = jnp.where(active, (first_pg - lay.sinks) // w, -1)
     nwin = jnp.broadcast_to(new_win[:, None, :], (b, h, kk))
-    win = jnp.concatenate([fp_win, pg_win, nwin], axis=-1)
-    score = jnp.concatenate([fp_score, st.page_score, jnp.sum(new_score, axis=-1)], axis=-1)
+    # Per candidate (N = F + P + K), one kernel where a concatenation of per-kind pieces was
+    # five: its window (from its first position; -1: none), then its ledger page or first
+    # position (a slot's ledger page, a page's own first position, -1 for a new window:
+    # >= 0 where the window has low-bit codes).
+    n = f + npg + kk
+    first_pg = _column(st.page_pos, 0)
+    new_first = jnp.where(nwin >= 0, lay.sinks + nwin * w, -1)
+    x = join([_column(fp_pos, 0), first_pg, new_first, led, first_pg, jnp.full_like(nwin, -1)])
+    x = jnp.where(np.arange(2 * n) < n, jnp.where(x >= 0, (x - lay.sinks) // w, -1), x)
+    x = jax.lax.optimization_barrier(x)
+    win, ledger = x[..., :n], x[..., n:] >= 0
+    fp_win, active = win[..., :f], win[..., f : f + npg] >= 0
+    score = jax.lax.optimization_barrier(
+        join([fp_score, st.page_score, jnp.sum(new_score, axis=-1)])
+    )
     # Per candidate from `win` and its kind (an iota: 0 slot, 1 page, 2 new window), fused
     # into the readers, where a concatenation of per-kind pieces was a kernel of its own.
     kind = jax.lax.broadcasted_iota(jnp.int32, win.shape, 2)
     kind = (kind >= f).astype(jnp.int32) + (kind >= f + npg).astype(jnp.int32)
-    led_all = jnp.pad(led, ((0, 0), (0, 0), (0, npg + kk)), constant_values=-1)
-    ledger = jnp.where(kind == 0, led_all >= 0, (kind == 1) & (win >= 0))
     current = jnp.where((win >= 0) & (kind < 2), jnp.where(kind == 0, FP, INT), EVICTED)
     tier = jnp.where(event[:, None, None], assign_tiers(win, score, ledger, lay), current)
     t_fp, t_pg = tier[..., :f], tier[..., f : f + npg]
@@ -199,96 +208,96 @@ def route(
     (order_q, order_fp, free_pg, free_fp), counts = true_first(
         [need_q, need_fp, ~held, ~stay_fp], counted=2
     )
-    n_q, n_fp, m = move_sizes(lay, kk, moves)
-    lq = _round_up(n_q, m)
-    plan = _plan(jnp.concatenate([order_q, order_fp, free_pg, free_fp], -1), counts, lay, n_q, m)
-    # This event's rows of the plan: the i-th needed window (a candidate) and its destination
-    # (page, slot); past the count, any candidate and nowhere.
-    page_dst, fp_dst = plan.dst[..., :n_q], plan.dst[..., lq : lq + n_fp]
-    order_q = jnp.where(order_q[..., :n_q] < f, order_q[..., :n_q], order_q[..., :n_q] - npg)
-    order_fp = order_fp[..., :n_fp] - f
+    n_q, _, m = move_sizes(lay, kk, moves)
+    lists = jnp.concatenate([order_q, order_fp, free_pg, free_fp], -1)
+    back = jnp.where((t_fp == INT) & (led >= 0), led, npg)  # demoted back onto its ledger
+    plan = _plan(lists, counts, back, lay, n_q, m)
 
-    # Metadata of every page and slot (small arrays), each kind by one scatter. A page's row
-    # (positions, score, held): windows demoted back onto their dormant ledger page, and
-    # windows quantized now onto their new page (disjoint: one is held, the other free). A
-    # window slot's row (positions, scores, ledger page): windows entering full precision.
+    # Metadata of every page and every window slot (small arrays) as rows of one table, pages
+    # then slots, rewritten by one gather and one scatter (one of each to compile, where a
+    # table per kind was two of each and their index kernels). A row is positions [ω], token
+    # scores [ω] (a slot's), ledger page (a slot's), held and page score (a page's); every
+    # candidate has a row of each kind's fields, so the writes read one candidate table:
+    # windows demoted back onto their dormant ledger page and windows quantized now onto their
+    # new page (disjoint: one is held, the other free); windows entering full precision.
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
     new_pos = lay.sinks + nwin[..., None] * w + tok  # [B, H, K, ω]
-    src_rows = jnp.concatenate(  # [B, H, F + K, ω + 2] quantized windows
-        [
-            jnp.concatenate([fp_pos, new_pos], axis=2),
-            bits(jnp.concatenate([fp_score, jnp.sum(new_score, axis=-1)], -1))[..., None],
-            jnp.ones((b, h, f + kk, 1), jnp.int32),
-        ],
-        -1,
-    )
-    pg_rows = jnp.concatenate(
-        [
-            jnp.where((held & ~promote)[..., None], st.page_pos, -1),
-            bits(st.page_score)[..., None],
-            held[..., None].astype(jnp.int32),
-        ],
-        -1,
-    )
-    pg_rows = put(
-        pg_rows,
-        jnp.concatenate([jnp.where((t_fp == INT) & (led >= 0), led, npg), page_dst], -1),
-        jnp.concatenate([src_rows[:, :, :f], _take(src_rows, order_q)], 2),
-    )
+    fp_tok_score = st.score[:, :, base:].reshape(b, h, f, w)
     first = jnp.where(tok == 0, st.page_score[..., None], 0.0)  # a page's score on its first token
-    in_rows = jnp.concatenate(  # [B, H, P + K, 2ω + 1] windows entering full precision
+    one = lambda x: x[..., None]
+    cand = jnp.concatenate(  # [B, H, N, 2ω + 3]; a promoted page stays its (dormant) ledger entry
         [
-            jnp.concatenate([st.page_pos, new_pos], axis=2),
-            bits(jnp.concatenate([first, new_score], axis=2)),
-            jnp.concatenate(  # a promoted page stays its window's (dormant) ledger entry
+            jnp.concatenate([fp_pos, st.page_pos, new_pos], axis=2),
+            bits(jnp.concatenate([fp_tok_score, first, new_score], axis=2)),
+            one(jnp.where(kind == 1, jax.lax.broadcasted_iota(jnp.int32, win.shape, 2) - f, -1)),
+            jnp.ones((b, h, n, 1), jnp.int32),
+            one(bits(score)),
+        ],
+        -1,
+    )
+    zeros = lambda r, c: jnp.zeros((b, h, r, c), jnp.int32)
+    rows = jnp.concatenate(  # [B, H, P + F, 2ω + 3]
+        [
+            jnp.concatenate(
                 [
-                    jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (b, h, npg)),
-                    jnp.full((b, h, kk), -1, jnp.int32),
+                    jnp.where((held & ~promote)[..., None], st.page_pos, -1),
+                    zeros(npg, w + 1),
+                    one(held.astype(jnp.int32)),
+                    one(bits(st.page_score)),
                 ],
                 -1,
-            )[..., None],  # fmt: skip
+            ),
+            jnp.concatenate(
+                [
+                    jnp.where(stay_fp[..., None], fp_pos, -1),
+                    bits(fp_tok_score),
+                    one(jnp.where(stay_fp, led, -1)),
+                    zeros(f, 2),
+                ],
+                -1,
+            ),
         ],
-        -1,
+        2,
     )
-    fp_rows = jnp.concatenate(
-        [
-            jnp.where(stay_fp[..., None], fp_pos, -1),
-            bits(st.score[:, :, base:].reshape(b, h, f, w)),
-            jnp.where(stay_fp, led, -1)[..., None],
-        ],
-        -1,
-    )
-    if f:  # (no window slots: nothing enters full precision)
-        fp_rows = put(fp_rows, fp_dst, _take(in_rows, order_fp))
+    # The writes are the plan's entries, their pages and slots numbered as the rows are.
+    to_page = np.arange(plan.dst.shape[-1]).reshape(1, 1, -1) < f + _round_up(n_q, m)
+    dst = jnp.where(to_page, jnp.where(plan.dst < npg, plan.dst, npg + f), npg + plan.dst)
+    rows = put(rows, dst, _take(cand, plan.src))
+    pg_rows, fp_rows = rows[:, :, :npg], rows[:, :, npg:]
     region = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.reshape(b, h, f * w), base, 2)
     new = RouteState(
         pos=region(st.pos, fp_rows[..., :w]),
         score=region(st.score, jax.lax.bitcast_convert_type(fp_rows[..., w : 2 * w], jnp.float32)),
         page_pos=pg_rows[..., :w],
-        page_score=jax.lax.bitcast_convert_type(_column(pg_rows, w), jnp.float32),
-        held=_column(pg_rows, w + 1) != 0,
+        page_score=jax.lax.bitcast_convert_type(_column(pg_rows, 2 * w + 2), jnp.float32),
+        held=_column(pg_rows, 2 * w + 1) != 0,
         fp_ledger=_column(fp_rows, 2 * w),
     )
     return new, plan
 
 
-def _plan(lists: Array, counts: Array, lay: Layout, n_q: int, m: int) -> MovePlan:
+def _plan(lists: Array, counts: Array, back: Array, lay: Layout, n_q: int, m: int) -> MovePlan:
     """The MovePlan from `true_first`'s four lists end to end, lists [B, H, N + N + P + F]
     (candidates to quantize, candidates entering full precision, each needed first; free
-    pages, free slots, free first; N = F + P + K candidates) and the counts [B, H, 2] of
-    the needed ones (at most n_q, F + K, to quantize; P + K to bring in).
+    pages, free slots, free first; N = F + P + K candidates), the counts [B, H, 2] of
+    the needed ones (at most n_q, F + K, to quantize; P + K to bring in) and back [B, H, F]
+    int32, the ledger page each slot's window is demoted back onto (P: none).
 
     Each of src and dst is one gather at constant indices and one select (one kernel each,
     where padding and concatenating the four pieces were six): a list entry i of a kind
     reads its i-th needed window and goes to the kind's i-th free page or slot, or nowhere
-    (P, F) past the kind's count. Past the needed ones src is any candidate (never moved)."""
+    (P, F) past the kind's count. Past the needed ones src is any candidate (never moved).
+    The F entries that open the plan, slot f demoted back onto page back[f], are one more
+    select in each (a concatenation would be a kernel of its own)."""
     f, npg = lay.fp_windows, lay.pages
     n = (lists.shape[-1] - npg - f) // 2
     n_fp = n - f
     lq, lf = _round_up(n_q, m), _round_up(n_fp, m)
-    i = np.concatenate([np.arange(lq), np.arange(lf)]).astype(np.int32)  # entry within its kind
-    quantize = np.arange(lq + lf) < lq
+    # entry within its kind (slot f's own entry: f)
+    i = np.concatenate([np.arange(f), np.arange(lq), np.arange(lf)]).astype(np.int32)
+    back_entry = np.arange(f + lq + lf) < f
+    quantize = np.arange(f + lq + lf) < f + lq
     # Where each entry's window and free place sit in `lists` (clipped into its piece, or
     # anywhere for an empty piece: past the count, never used).
     last = max(lists.shape[-1] - 1, 0)
@@ -297,14 +306,20 @@ def _plan(lists: Array, counts: Array, lay: Layout, n_q: int, m: int) -> MovePla
     at_dst = np.where(quantize, clip(2 * n, npg), clip(2 * n + npg, f))
     take = lambda at: jnp.take(lists, at.astype(np.int32), axis=-1, mode="clip")
     src, free = take(at_src), take(at_dst)
-    i, quantize = i.reshape(1, 1, -1), quantize.reshape(1, 1, -1)  # [1, 1, Lq + Lf]
+    i, quantize = i.reshape(1, 1, -1), quantize.reshape(1, 1, -1)  # [1, 1, F + Lq + Lf]
+    back_entry = back_entry.reshape(1, 1, -1)
     count = jnp.where(quantize, counts[..., :1], counts[..., 1:])
+    nowhere = np.where(quantize, npg, f).astype(np.int32)
     return MovePlan(
         # Candidates numbered as the move loop does: window slots, pages, new windows (0 past
         # the count, as the lists' padding was: a select, where a bare gather's output took
         # a layout XLA then copied in the cond's other branch).
-        src=jnp.where(i < count, src, 0),
-        dst=jnp.where(i < count, free, np.where(quantize, npg, f).astype(np.int32)),
+        src=jnp.where(back_entry, i, jnp.where(i < count, src, 0)),
+        dst=jnp.where(
+            back_entry,
+            jnp.pad(back, ((0, 0), (0, 0), (0, lq + lf))),
+            jnp.where(i < count, free, nowhere),
+        ),
         # The busiest head's (counts >= 0: each head's rounds, then their max, one kernel).
         rounds=jnp.max((counts + (m - 1)) // m, axis=(0, 1)),
     )
