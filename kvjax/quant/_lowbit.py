@@ -53,9 +53,22 @@ def _asymmetric(x: Array, bits: int, axis: int) -> tuple[Array, Array, Array]:
     xf = x.astype(jnp.float32)
     zero = _to_bf16(jnp.min(xf, axis=axis, keepdims=True), up=False)
     scale = _to_bf16((jnp.max(xf, axis=axis, keepdims=True) - zero) / levels, up=True)
+    return _codes(xf, zero, scale, levels), scale.astype(STAT_DTYPE), zero.astype(STAT_DTYPE)
+
+
+def _codes(xf: Array, zero: Array, scale: Array, levels: int) -> Array:
+    """uint8 codes of float32 xf against its (broadcast) rounded statistics: round((x -
+    zero) / scale) in [0, levels], a zero scale (constant x) read as 1."""
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    codes = jnp.clip(jnp.round((xf - zero) / safe), 0, levels).astype(jnp.uint8)
-    return codes, scale.astype(STAT_DTYPE), zero.astype(STAT_DTYPE)
+    return jnp.clip(jnp.round((xf - zero) / safe), 0, levels).astype(jnp.uint8)
+
+
+def _value_group(d: int, group: int | None) -> int:
+    """Channels per value group: `group`, or all D for None; a ValueError unless it divides D."""
+    group = d if group is None else group
+    if group <= 0 or d % group:
+        raise ValueError(f"group must be > 0 and divide D={d}, got group={group}")
+    return group
 
 
 def quantize_per_channel(x: Array, bits: int) -> tuple[Array, Array, Array]:
@@ -116,9 +129,7 @@ def quantize_per_token(x: Array, bits: int, group: int | None = None) -> tuple[A
     """
     x = as_float(x, "x")
     d = x.shape[-1]
-    group = d if group is None else group
-    if group <= 0 or d % group:
-        raise ValueError(f"group must be > 0 and divide D={d}, got group={group}")
+    group = _value_group(d, group)
     grouped = x.reshape(*x.shape[:-1], d // group, group)
     codes, scale, zero = _asymmetric(grouped, bits, axis=-1)
     return codes.reshape(x.shape), scale[..., 0], zero[..., 0]
@@ -145,9 +156,7 @@ def quantize_keys_values(
     if k.ndim < 2 or k.shape[-2] == 0 or k.shape != v.shape:
         raise ValueError(f"k and v must be [..., T, D] of one shape, got {k.shape}, {v.shape}")
     *lead, t, d = k.shape
-    group = d if group is None else group
-    if group <= 0 or d % group:
-        raise ValueError(f"group must be > 0 and divide D={d}, got group={group}")
+    group = _value_group(d, group)
     levels = (1 << check_bits(bits)) - 1
     kf = k.astype(jnp.float32)
     vf = v.astype(jnp.float32).reshape(*lead, t, d // group, group)
@@ -161,11 +170,9 @@ def quantize_keys_values(
     # Each materialized once (else XLA fuses the rounding into every consumer, a kernel each).
     zero = jax.lax.optimization_barrier(_to_bf16(both(jnp.min), up=False))
     scale = jax.lax.optimization_barrier(_to_bf16((both(jnp.max) - zero) / levels, up=True))
-    safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    code = lambda x, z, s: jnp.clip(jnp.round((x - z) / s), 0, levels).astype(jnp.uint8)
-    k_codes = code(kf, zero[..., None, :d], safe[..., None, :d])
-    vz, vs = (x[..., d:].reshape(*lead, t, d // group, 1) for x in (zero, safe))
-    v_codes = code(vf, vz, vs).reshape(k.shape)
+    k_codes = _codes(kf, zero[..., None, :d], scale[..., None, :d], levels)
+    vz, vs = (x[..., d:].reshape(*lead, t, d // group, 1) for x in (zero, scale))
+    v_codes = _codes(vf, vz, vs, levels).reshape(k.shape)
     stat = lambda x, part: x[..., part].astype(STAT_DTYPE)
     v_stat = lambda x: stat(x, slice(d, None)).reshape(*lead, t, d // group)
     return (

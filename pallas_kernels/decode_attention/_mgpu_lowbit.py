@@ -181,8 +181,8 @@ def _word_codes(
     as two), and one shift a word and window. The interpreter gathers the same values.
     `cols`: only the tile's columns [c0, c1) (multiples of 8), a [64, c1 - c0] operand.
     `subnormal`: no 128, one AND a register: the code bits alone, read as bfloat16, are the
-    subnormal code·2^pos·SUB_E (exact; the tensor cores keep subnormal inputs); interpreted,
-    code·2^pos itself (`subnormal_factors`)."""
+    subnormal code·2^pos·2^-133 (exact; the tensor cores keep subnormal inputs); interpreted,
+    code·2^pos itself (`subnormal_kb`)."""
     c0, c1 = cols or (0, k)
     if interpret:  # (index arrays from iotas: a kernel may close over no array constant)
         rows, cols = (lax.broadcasted_iota(jnp.int32, (64, c1 - c0), a) for a in (0, 1))
@@ -240,19 +240,22 @@ def _word_codes(
 SUB_SHIFT = 64  # under `subnormal`, S and the output are computed at 2^-SUB_SHIFT of their size
 
 
-def subnormal_factors(interpret: bool) -> tuple[float, float]:
-    """(e, kb) of the words' subnormal codes: an A operand is code·2^pos·e (e = 2^-133, the
+def subnormal_kb(interpret: bool) -> float:
+    """kb of the words' subnormal codes: an A operand is code·2^pos·e (e = 2^-133, the
     bfloat16 subnormals' unit; interpreted, 1: the interpreter's CPU dots flush subnormals, so
     it multiplies normal codes instead), q^T and each probability are multiplied by kb, and
     e·kb = 2^-SUB_SHIFT either way: S and out^T come out of the dots at 2^-SUB_SHIFT of their
     size (float32 keeps that), their B operands at kb times theirs (bfloat16 keeps 2^69)."""
     e = 1.0 if interpret else 2.0**-133
-    return e, 2.0**-SUB_SHIFT / e
+    return 2.0**-SUB_SHIFT / e
 
 
-def _code_offset(offset: bool, words: bool) -> float:
-    """What each code's operand adds to it: 136 (int4_offset), 128 (words), else nothing."""
-    return float(OFFSET) if offset else WORD_BASE if words else 0.0
+def _code_offset(offset: bool, words: bool, subnormal: bool = False) -> float:
+    """What each code's operand adds to it: 136 (int4_offset), 128 (words, unless read as
+    subnormals), else nothing."""
+    if offset:
+        return float(OFFSET)
+    return WORD_BASE if words and not subnormal else 0.0
 
 
 BIAS_BOX = 256  # most pages one TMA copy of the key biases takes (a TMA box's largest side)
@@ -378,10 +381,10 @@ def _kernel(
     else:
         k_bar, v_bar, ks_bar, vs_bar, pos_bar = bars
     load = _offset_load(interpret) if offset else int4_load  # how int4 tiles load
-    off = 0.0 if subnormal else _code_offset(offset, words)
+    off = _code_offset(offset, words, subnormal)
     # subnormal: the dots give S and out^T at 2^-SUB_SHIFT, the bias (from q^T·kb) at kb times
     # its size, and each probability carries kb (its exponent shifted by log kb)
-    kb = subnormal_factors(interpret)[1] if subnormal else 1.0
+    kb = subnormal_kb(interpret) if subnormal else 1.0
     log_kb = math.log(kb) if subnormal else 0.0
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
@@ -994,9 +997,9 @@ def decode_attention_lowbit_mgpu(
     if words:  # each key channel's power of two (`word_factor`) divided out of q, exactly
         qt = qt / jnp.asarray(word_factor(bits, d))[None, None, :, None]
     if sub:  # q^T at kb times its size (a power of two: exact)
-        qt = qt * subnormal_factors(interpret)[1]
+        qt = qt * subnormal_kb(interpret)
     if outside:
-        off = 0.0 if sub else _code_offset(offset, words)
+        off = _code_offset(offset, words, sub)
         k_stats = tier.k_stats if layer is None else jnp.take(tier.k_stats, layer, axis=0)
         # MP pages of zeros past the end: a split's one copy of MP pages from its first page
         # stays inside the array (the pages past its own are never read)
