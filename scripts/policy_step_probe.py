@@ -2,9 +2,11 @@
 of data-dependent control flow inside a jitted loop on this backend. A debugging aid for the
 end-to-end decode benchmark. Usage: python scripts/policy_step_probe.py LAYERS POLICY:BUDGET...
 (POLICY@xla / POLICY@pallas: that write_kernel; PROBE_POLICY_ONLY=1 skips the control-flow
-timings; PROBE_BATCH=B sets the batch, default 8; PROBE_TRACE=DIR also traces 32 more steps with
-the JAX profiler and prints each kernel's device time per step and one step's timeline,
-`kvjax.eval._profile`; the timeline's marker is the one-launch slot write, write_kernel pallas)."""
+timings; PROBE_BATCH=B sets the batch, default 8; PROBE_STACKED=1 times the layer scan's write
+over a stacked cache, `write_stack`, instead of the per-layer writes; PROBE_TRACE=DIR also
+traces 32 more steps with the JAX profiler and prints each kernel's device time per step and
+one step's timeline, `kvjax.eval._profile`; the timeline's marker is the one-launch slot
+write, write_kernel pallas)."""
 
 import dataclasses
 import os
@@ -57,12 +59,16 @@ def main() -> None:
         name, budget = spec.split(":")
         pol = policy_from_spec(name, int(budget), num_layers=n_layers)
         batch = int(os.environ.get("PROBE_BATCH", "8"))
-        cache = new_cache(cfg, pol, batch=batch, max_len=32768 + 128, dtype=jnp.bfloat16)
+        stacked = bool(os.environ.get("PROBE_STACKED"))
+        cache = new_cache(
+            cfg, pol, batch=batch, max_len=32768 + 128, dtype=jnp.bfloat16, stacked=stacked
+        )
         cache, key = fill_random(pol, cache, 32768, 2048, jax.random.key(0))
         cache, sec = policy_seconds_per_step(pol, 16, cache, key)
         ms = sec * 1e3
         print(
-            f"{name} budget {budget}: {n_layers} layers, batch {batch}, policy alone "
+            f"{name} budget {budget}: {n_layers} layers, batch {batch}, stacked {stacked}, "
+            "policy alone "
             f"{ms:.3f} ms/step",
             flush=True,
         )

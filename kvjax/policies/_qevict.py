@@ -230,17 +230,11 @@ class QEvictPolicy(Policy):
         one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
-        # The plan's rounds are the busiest layer's, [2], taken in the event's branch (where
-        # XLA merges that max with each layer's over its heads: one reduction, none per step).
-        skip = lambda ops: (ops[0], empty._replace(src=stack(empty.src), dst=stack(empty.dst)))
-
-        def run(ops):
-            st, plan = jax.vmap(one)(*ops)
-            return st, plan._replace(rounds=jnp.max(plan.rounds, axis=0))
-
-        st, plan = jax.lax.cond(jnp.any(event), run, skip, (pre.st, pre.new_score))
-        jobs = jax.vmap(self._job)(pre, st, plan._replace(rounds=None))
-        return apply_moves_stacked(jobs, lay, plan.rounds, moves=self.moves)
+        skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
+        st, plan = jax.lax.cond(jnp.any(event), lambda ops: jax.vmap(one)(*ops), skip,
+                                (pre.st, pre.new_score))  # fmt: skip
+        jobs = jax.vmap(self._job)(pre, st, plan._replace(counts=None))
+        return apply_moves_stacked(jobs, lay, plan.counts, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,

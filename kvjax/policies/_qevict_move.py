@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -76,7 +77,10 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     Returns:
         The layers with codes and K/V moved.
     """
-    rounds = jnp.max(jnp.stack([j.plan.rounds for j in jobs]), axis=0)
+    m = move_sizes(jobs[0].lay, jobs[0].new_k.shape[2], moves)[2]
+    # The busiest head's rounds of each kind (counts >= 0: each head's rounds, then their max).
+    counts = jnp.stack([j.plan.counts for j in jobs])  # [L, B, H, 2]
+    rounds = jnp.max((counts + (m - 1)) // m, axis=(0, 1, 2))
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
     def body(r, rounds_q, carry):
@@ -91,21 +95,151 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     )
 
 
-def apply_moves_stacked(job: MoveJob, lay, rounds: Array, *, moves: int | None):
+def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
     """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
-    [L] axis on each array (`lay`, static, given apart; its plan's rounds None), `rounds` [2]
-    the most rounds of any layer: the loop's trip count. The same loop, each round one
-    `jax.vmap` over the layers, so the scatters write the stacked buffers in place.
+    [L] axis on each array (`lay`, static, given apart; its plan's counts None), `counts`
+    [L, B, H, 2] each head's windows to quantize and to bring into full precision (zeros
+    without an event).
+
+    From `_FLAT_MIN_HEADS` heads (layers x batch x KV heads) on, the moves of every head of
+    every layer form one list per kind (all quantize moves, then all promote moves: within a
+    kind the moves are independent, and a demoted window's slot may receive a promoted one),
+    taken `_flat_round(...)` entries a round over the stack seen as one long axis of heads,
+    so the scatters write the stacked buffers in place and an event costs its total moves,
+    not the busiest head's moves times every head. With fewer heads, per-head rounds
+    (`_apply_moves_vmapped`).
 
     Returns:
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
+    n_layers, b, h, cap, d = layer.k.shape
+    heads = n_layers * b * h
+    if heads < _FLAT_MIN_HEADS:
+        return _apply_moves_vmapped(job, lay, counts, moves=moves)
+    flat = lambda a: a.reshape(1, 1, heads * a.shape[3], *a.shape[4:])
+    init = (flat(layer.k), flat(layer.v), jax.tree.map(flat, layer.lowbit))
+    per_head = lambda a: a.reshape(heads, *a.shape[3:])
+    plan = job.plan
+    src, dst = per_head(plan.src), per_head(plan.dst)
+    new_k, new_v = per_head(job.new_k), per_head(job.new_v)
+    n_q, _, m = move_sizes(lay, job.new_k.shape[3], moves)
+    big = _flat_round(m, b * h, n_layers)
+    counts = per_head(counts)  # [heads, 2]
+    ends = jnp.cumsum(counts, axis=0, dtype=jnp.int32)  # each head's entries end here
+    starts = ends - counts
+    rounds = (ends[-1] + (big - 1)) // big  # [2]: the loop's rounds of each kind
+    entry = np.arange(big, dtype=np.int32)
+    lq = _round_up(n_q, m)
+
+    def body(r, rounds_q, carry):
+        quantize = r < rounds_q
+        g = jnp.where(quantize, r, r - rounds_q) * big + entry  # [big] entries of one kind
+        kind = jnp.where(quantize, 0, 1)
+        end = jnp.take(ends, kind, axis=1)  # [heads]
+        head = jnp.sum(end[None, :] <= g[:, None], axis=1, dtype=jnp.int32)  # [big]
+        ok = head < heads
+        head = jnp.minimum(head, heads - 1)
+        i = g - starts[head, kind]
+        at = lay.fp_windows + jnp.where(quantize, i, lq + i)
+        s = src[head, at]
+        t = jnp.where(ok, dst[head, at], jnp.where(quantize, lay.pages, lay.fp_windows))
+        return _move_flat(lay, carry, head, s, t, quantize, new_k, new_v, cap)
+
+    k, v, lb = _rounds_loop(rounds, body, init)
+    back = lambda a, like: a.reshape(like.shape)
+    return layer.replace(
+        k=back(k, layer.k), v=back(v, layer.v),
+        lowbit=jax.tree.map(back, lb, layer.lowbit),
+    )  # fmt: skip
+
+
+def _apply_moves_vmapped(job: MoveJob, lay, counts: Array, *, moves: int | None):
+    """`apply_moves_stacked` by per-head rounds: each round one `jax.vmap` over the layers of
+    `_move_round` (`moves` windows of every head), as many rounds as the busiest head needs.
+    Its loop body is smaller (fewer kernels to compile) and with few heads the rounds cost
+    little more than the flat list's."""
+    layer = job.layer
+    m = move_sizes(lay, job.new_k.shape[3], moves)[2]
+    rounds = jnp.max((counts + (m - 1)) // m, axis=(0, 1, 2))
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
     one = lambda j, c, r, rounds_q: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, rounds_q, c: jax.vmap(one, in_axes=(0, 0, None, None))(slim, c, r, rounds_q)
     k, v, lb = _rounds_loop(rounds, body, (layer.k, layer.v, layer.lowbit))
     return layer.replace(k=k, v=v, lowbit=lb)
+
+
+# Heads (layers x batch x KV heads) from which the stacked move loop takes every head's moves
+# as one list: per-head rounds cost the busiest head's rounds times every head, the flat list
+# its total moves, at more kernels to compile (CPU: QEvict's scanned decode loop 160 kernels
+# against 135 at SmolLM2's 90 heads).
+_FLAT_MIN_HEADS = 256
+
+
+def _flat_round(m: int, heads_per_layer: int, n_layers: int) -> int:
+    """Entries a round of the stacked move loop takes: `m` windows for each head of up to
+    `_FLAT_LAYERS` layers (the per-layer loop moved m for every head of every layer)."""
+    return m * heads_per_layer * min(n_layers, _FLAT_LAYERS)
+
+
+_FLAT_LAYERS = 32
+
+
+def _move_flat(lay, carry, head, src, dst, quantize, new_k, new_v, cap: int):
+    """One round of `apply_moves_stacked`: entry j moves candidate src[j] of head head[j] to
+    dst[j] (a page when `quantize`, else a window slot; out of range: nothing), the stack's
+    K/V [1, 1, heads·C, D] and low-bit tier seen with every head end to end on the slot and
+    page axes (`_move_round` on per-head axes)."""
+    k, v, lb = carry
+    w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
+    heads = new_k.shape[0]
+
+    def window(a, new, deq):
+        """The source windows [n, ω, D] of one of K or V (`deq`: its pages at src)."""
+        kk = new.shape[1]
+        x = new[head, jnp.clip(src - f - npg, 0, kk - 1)]
+        x = jnp.where((src < f + npg)[:, None, None], deq.astype(x.dtype), x)
+        if f == 0:
+            return x
+        fp = _rows(a, head * cap + base + jnp.clip(src, 0, f - 1) * w, w)
+        return jnp.where((src < f)[:, None, None], fp, x)
+
+    page = head * npg + jnp.clip(src - f, 0, npg - 1)
+    deq_k, deq_v = lb.read(page[None, None], k.dtype)
+    x_k, x_v = window(k, new_k, deq_k[0, 0]), window(v, new_v, deq_v[0, 0])
+    x_k, x_v = jax.lax.optimization_barrier((x_k, x_v))
+    to_page = jnp.where(quantize & (dst < npg), head * npg + dst, heads * npg)
+    lb = lb.write(to_page[None, None], x_k[None, None], x_v[None, None])
+    # Window starts ascending and distinct: by head, then by slot within a head (the i-th
+    # window goes to the i-th free slot); the dropped ones past the end, distinct as well.
+    live = ~quantize & (dst < f)
+    gone = heads * cap + jnp.arange(dst.shape[0], dtype=jnp.int32) * w
+    start = jnp.where(live, head * cap + base + dst * w, gone)
+    return _put_rows(k, start, x_k), _put_rows(v, start, x_v), lb
+
+
+def _rows(a: Array, start: Array, w: int) -> Array:
+    """a [1, 1, R, D] rows [start[j], start[j] + w) for each j: [n, w, D] (a gather of whole
+    windows, one index each; starts in range)."""
+    dn = jax.lax.GatherDimensionNumbers(
+        offset_dims=(1, 2), collapsed_slice_dims=(), start_index_map=(0,)
+    )
+    return jax.lax.gather(a[0, 0], start[:, None], dn, (w, a.shape[-1]), mode="clip")
+
+
+def _put_rows(a: Array, start: Array, x: Array) -> Array:
+    """a [1, 1, R, D] with rows [start[j], start[j] + w) = x[j] [w, D] (a scatter of whole
+    windows, one index each; a window past R is dropped). The starts must be ascending and
+    distinct: XLA's GPU scatter then writes whole rows at a time (4.7x faster than without
+    the promise at 32K windows on an H100, `scripts/window_scatter_probe.py`)."""
+    dn = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+    )
+    out = jax.lax.scatter(
+        a[0, 0], start[:, None], x.astype(a.dtype), dn, mode="drop",
+        indices_are_sorted=True, unique_indices=True,
+    )  # fmt: skip
+    return out[None, None]
 
 
 def _rounds_loop(rounds: Array, body, init):

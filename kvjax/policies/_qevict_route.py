@@ -111,13 +111,14 @@ class MovePlan(NamedTuple):
             moves (the needed ones first), [F + Lq, F + Lq + Lf) promote moves.
         dst: [B, H, F + Lq + Lf] int32 where each entry goes: a page (the first two kinds;
             P = nowhere) or a full-precision window slot (promote; F = nowhere).
-        rounds: [2] int32 rounds of each kind, quantize then promote (0 when nothing moves;
-            one array: two would each be sliced out by a kernel of its own).
+        counts: [B, H, 2] int32 windows of each kind this head moves, quantize then promote
+            (0 when nothing moves; one array: two would each be sliced out by a kernel of its
+            own).
     """
 
     src: Array
     dst: Array
-    rounds: Array
+    counts: Array
 
 
 def _round_up(n: int, m: int) -> int:
@@ -125,11 +126,11 @@ def _round_up(n: int, m: int) -> int:
 
 
 def empty_plan(b: int, h: int, lay: Layout, kk: int, moves: int | None) -> MovePlan:
-    """The plan of a step without a routing event: nothing moves (zero rounds: the lists are
+    """The plan of a step without a routing event: nothing moves (zero counts: the lists are
     never read)."""
     n_q, n_fp, m = move_sizes(lay, kk, moves)
     lists = jnp.zeros((b, h, lay.fp_windows + _round_up(n_q, m) + _round_up(n_fp, m)), jnp.int32)
-    return MovePlan(src=lists, dst=lists, rounds=jnp.zeros((2,), jnp.int32))
+    return MovePlan(src=lists, dst=lists, counts=jnp.zeros((b, h, 2), jnp.int32))
 
 
 def route(
@@ -320,8 +321,7 @@ def _plan(lists: Array, counts: Array, back: Array, lay: Layout, n_q: int, m: in
             jnp.pad(back, ((0, 0), (0, 0), (0, lq + lf))),
             jnp.where(i < count, free, nowhere),
         ),
-        # The busiest head's (counts >= 0: each head's rounds, then their max, one kernel).
-        rounds=jnp.max((counts + (m - 1)) // m, axis=(0, 1)),
+        counts=counts,
     )
 
 

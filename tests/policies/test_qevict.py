@@ -245,6 +245,96 @@ def _write_layers(policy, layers, k, v, n0, tables):
     return policy.write_layers(layers, [k] * n, [v] * n, pos, valid, st, None)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _write_stack(policy, stacked, k, v, n0, tables):
+    """`_write_layers`' call over a stacked cache (leading [L] axis) through `write_stack`."""
+    b, t = k.shape[:2]
+    n = tables.shape[0]
+    pos = n0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.ones((b, t), bool)
+
+    def look(table, p):
+        idx = jnp.clip(p, 0, table.shape[-1] - 1).reshape(b, H, -1)
+        return jnp.where(p >= 0, jnp.take_along_axis(table, idx, axis=2).reshape(p.shape), 0.0)
+
+    new_pos = jnp.broadcast_to(pos[:, None, :], (b, H, t))
+    stats = AttnStats(
+        slot_mass=jax.vmap(look)(tables, stacked.pos),
+        new_mass=jax.vmap(look, (0, None))(tables, new_pos),
+        lse=jnp.zeros((n, b, t, H)),
+        lowbit_mass=jax.vmap(look)(tables, stacked.lowbit.pos),
+    )
+    stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
+    return policy.write_stack(stacked, stack(k), stack(v), pos, valid, stats, None)
+
+
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("moves", [1, None])
+def test_write_stack_equals_write_per_layer(moves, flat, monkeypatch):
+    """The stacked write's move loop gives exactly each layer's own `write_layers`, batch rows
+    and layers routing differently: flat, every head of every layer end to end and taken many
+    entries a round (here more moves an event than a round takes: several rounds of each
+    kind), and by per-head rounds."""
+    from kvjax.cache import stack_trees
+    from kvjax.policies import _qevict_move
+
+    monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0 if flat else 10**9)
+    policy, spec = make(budget=44, batch=2, quant_share=0.5, moves=moves)
+    write = jax.jit(lambda *a: _write_stack.__wrapped__(policy, *a))  # traced with the setting
+    rng = np.random.default_rng(11)
+    n_layers, n = 3, 90
+    layers = (policy.empty_cache(spec).layers[0],) * n_layers
+    stacked = stack_trees(layers, "layers")
+    data = rng.standard_normal((2, 2, n + 9, H, D)).astype(np.float32)
+    n0 = 0
+    for t in [9] + [1] * 40 + [5] * 8:
+        tables = rng.integers(0, 10, (n_layers, 2, H, n)).astype(np.float32)
+        spikes = rng.random(tables.shape) < np.array([0.02, 0.1, 0.3])[:, None, None, None]
+        tables += 200 * spikes
+        k, v = data[0, :, n0 : n0 + t], data[1, :, n0 : n0 + t]
+        start = np.full((2,), n0, np.int32)
+        layers = _write_layers(policy, layers, k, v, start, tuple(tables))
+        stacked = write(stacked, k, v, start, jnp.asarray(tables))
+        n0 += t
+        want = stack_trees(layers, "layers")
+        jax.tree.map(np.testing.assert_array_equal, stacked, want)
+    low = np.asarray(stacked.lowbit.pos)  # the layers and rows routed differently
+    assert not np.array_equal(low[0], low[1]) and not np.array_equal(low[0, 0], low[0, 1])
+
+
+def test_stacked_moves_write_ascending_distinct_windows(monkeypatch):
+    """The stacked move loop promises XLA's scatter ascending, distinct window starts (its
+    GPU scatter relies on it): every round's starts, checked as they run."""
+    from kvjax.cache import stack_trees
+    from kvjax.policies import _qevict_move
+
+    seen = []
+    put_rows = _qevict_move._put_rows
+
+    def spy(a, start, x):
+        jax.debug.callback(lambda s: seen.append(np.asarray(s)), start)
+        return put_rows(a, start, x)
+
+    monkeypatch.setattr(_qevict_move, "_put_rows", spy)
+    monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0)
+    policy, spec = make(budget=44, batch=2, quant_share=0.5, moves=1)
+    stacked = stack_trees((policy.empty_cache(spec).layers[0],) * 2, "layers")
+    write = jax.jit(lambda *a: _write_stack.__wrapped__(policy, *a))  # traced with the spy
+    rng = np.random.default_rng(5)
+    n0 = 0
+    for t in [9] + [1] * 70 + [5] * 4:
+        tables = rng.integers(0, 10, (2, 2, H, 100)).astype(np.float32)
+        tables += 200 * (rng.random(tables.shape) < 0.2)
+        kv = rng.standard_normal((2, 2, t, H, D)).astype(np.float32)
+        stacked = write(stacked, kv[0], kv[1], np.full((2,), n0, np.int32), jnp.asarray(tables))
+        n0 += t
+    jax.block_until_ready(stacked)
+    rows = 2 * 2 * H * policy.capacity(0)  # starts below this write a window
+    assert any((s < rows).any() for s in seen) and any((s >= rows).all() for s in seen)
+    for s in seen:
+        assert (np.diff(s) > 0).all(), s
+
+
 def test_write_layers_equals_write_per_layer():
     """One pair of movement loops for all layers (layers routing different numbers of windows,
     so some run rounds past their own) gives exactly each layer's own `write`."""
