@@ -128,25 +128,28 @@ def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
     counts = per_head(counts)  # [heads, 2]
     ends = jnp.cumsum(counts, axis=0, dtype=jnp.int32)  # each head's entries end here
     starts = ends - counts
-    rounds = (ends[-1] + (big - 1)) // big  # [2]: the loop's rounds of each kind
+    rounds = (ends[-1] + (big - 1)) // big  # [2]: rounds of each kind
     entry = np.arange(big, dtype=np.int32)
     lq = _round_up(n_q, m)
 
-    def body(r, rounds_q, carry):
-        quantize = r < rounds_q
-        g = jnp.where(quantize, r, r - rounds_q) * big + entry  # [big] entries of one kind
-        kind = jnp.where(quantize, 0, 1)
-        end = jnp.take(ends, kind, axis=1)  # [heads]
-        head = jnp.sum(end[None, :] <= g[:, None], axis=1, dtype=jnp.int32)  # [big]
-        ok = head < heads
-        head = jnp.minimum(head, heads - 1)
-        i = g - starts[head, kind]
-        at = lay.fp_windows + jnp.where(quantize, i, lq + i)
-        s = src[head, at]
-        t = jnp.where(ok, dst[head, at], jnp.where(quantize, lay.pages, lay.fp_windows))
-        return _move_flat(lay, carry, head, s, t, quantize, new_k, new_v, cap)
+    def run(kind: int, carry):
+        """Every round of one kind (0: quantize, 1: bring into full precision)."""
 
-    k, v, lb = _rounds_loop(rounds, body, init)
+        def body(r, carry):
+            g = r * big + entry  # [big] entries of this kind
+            head = jnp.sum(ends[None, :, kind] <= g[:, None], axis=1, dtype=jnp.int32)
+            ok = head < heads
+            head = jnp.minimum(head, heads - 1)
+            at = lay.fp_windows + kind * lq + g - starts[head, kind]
+            nowhere = (lay.pages, lay.fp_windows)[kind]
+            t = jnp.where(ok, dst[head, at], nowhere)
+            return _move_flat(lay, carry, head, src[head, at], t, kind == 0, new_k, new_v, cap)
+
+        return jax.lax.fori_loop(0, rounds[kind], body, carry)
+
+    # Two loops, each body doing its kind's work only (one body for both would read and
+    # write both kinds every round, the other kind's writes dropped).
+    k, v, lb = run(1, run(0, init))
     back = lambda a, like: a.reshape(like.shape)
     return layer.replace(
         k=back(k, layer.k), v=back(v, layer.v),
@@ -185,36 +188,36 @@ def _flat_round(m: int, heads_per_layer: int, n_layers: int) -> int:
 _FLAT_LAYERS = 32
 
 
-def _move_flat(lay, carry, head, src, dst, quantize, new_k, new_v, cap: int):
+def _move_flat(lay, carry, head, src, dst, quantize: bool, new_k, new_v, cap: int):
     """One round of `apply_moves_stacked`: entry j moves candidate src[j] of head head[j] to
-    dst[j] (a page when `quantize`, else a window slot; out of range: nothing), the stack's
-    K/V [1, 1, heads·C, D] and low-bit tier seen with every head end to end on the slot and
-    page axes (`_move_round` on per-head axes)."""
+    dst[j], the stack's K/V [1, 1, heads·C, D] and low-bit tier seen with every head end to
+    end on the slot and page axes (`_move_round` on per-head axes). `quantize` (static): the
+    sources are window slots or windows leaving the ring, quantized into pages dst; else
+    pages (dequantized from their ledger) or windows leaving the ring, written into window
+    slots dst. A dst out of range moves nothing."""
     k, v, lb = carry
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
     heads = new_k.shape[0]
-
-    def window(a, new, deq):
-        """The source windows [n, ω, D] of one of K or V (`deq`: its pages at src)."""
-        kk = new.shape[1]
-        x = new[head, jnp.clip(src - f - npg, 0, kk - 1)]
-        x = jnp.where((src < f + npg)[:, None, None], deq.astype(x.dtype), x)
-        if f == 0:
-            return x
-        fp = _rows(a, head * cap + base + jnp.clip(src, 0, f - 1) * w, w)
-        return jnp.where((src < f)[:, None, None], fp, x)
-
-    page = head * npg + jnp.clip(src - f, 0, npg - 1)
-    deq_k, deq_v = lb.read(page[None, None], k.dtype)
-    x_k, x_v = window(k, new_k, deq_k[0, 0]), window(v, new_v, deq_v[0, 0])
-    x_k, x_v = jax.lax.optimization_barrier((x_k, x_v))
-    to_page = jnp.where(quantize & (dst < npg), head * npg + dst, heads * npg)
-    lb = lb.write(to_page[None, None], x_k[None, None], x_v[None, None])
+    kk = new_k.shape[1]
+    new = jnp.clip(src - f - npg, 0, kk - 1)
+    if quantize:  # from window slots or the ring, into pages
+        at = head * cap + base + jnp.clip(src, 0, max(f - 1, 0)) * w
+        slot = (src < f)[:, None, None]
+        pick = lambda a, n: (
+            n[head, new] if f == 0 else jnp.where(slot, _rows(a, at, w), n[head, new])
+        )
+        x_k, x_v = jax.lax.optimization_barrier((pick(k, new_k), pick(v, new_v)))
+        to_page = jnp.where(dst < npg, head * npg + dst, heads * npg)
+        return k, v, lb.write(to_page[None, None], x_k[None, None], x_v[None, None])
+    # from pages (their ledger) or the ring, into window slots
+    deq_k, deq_v = lb.read((head * npg + jnp.clip(src - f, 0, npg - 1))[None, None], k.dtype)
+    page = (src < f + npg)[:, None, None]
+    x_k = jnp.where(page, deq_k[0, 0].astype(k.dtype), new_k[head, new])
+    x_v = jnp.where(page, deq_v[0, 0].astype(v.dtype), new_v[head, new])
     # Window starts ascending and distinct: by head, then by slot within a head (the i-th
     # window goes to the i-th free slot); the dropped ones past the end, distinct as well.
-    live = ~quantize & (dst < f)
     gone = heads * cap + jnp.arange(dst.shape[0], dtype=jnp.int32) * w
-    start = jnp.where(live, head * cap + base + dst * w, gone)
+    start = jnp.where(dst < f, head * cap + base + dst * w, gone)
     return _put_rows(k, start, x_k), _put_rows(v, start, x_v), lb
 
 

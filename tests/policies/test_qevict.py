@@ -330,7 +330,7 @@ def test_stacked_moves_write_ascending_distinct_windows(monkeypatch):
         n0 += t
     jax.block_until_ready(stacked)
     rows = 2 * 2 * H * policy.capacity(0)  # starts below this write a window
-    assert any((s < rows).any() for s in seen) and any((s >= rows).all() for s in seen)
+    assert any((s < rows).any() for s in seen) and any((s >= rows).sum() > 1 for s in seen)
     for s in seen:
         assert (np.diff(s) > 0).all(), s
 
