@@ -68,8 +68,7 @@ def main() -> None:
         ms = sec * 1e3
         print(
             f"{name} budget {budget}: {n_layers} layers, batch {batch}, stacked {stacked}, "
-            "policy alone "
-            f"{ms:.3f} ms/step",
+            f"policy alone {ms:.3f} ms/step",
             flush=True,
         )
         if os.environ.get("PROBE_TRACE"):

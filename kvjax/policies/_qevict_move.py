@@ -78,9 +78,7 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
         The layers with codes and K/V moved.
     """
     m = move_sizes(jobs[0].lay, jobs[0].new_k.shape[2], moves)[2]
-    # The busiest head's rounds of each kind (counts >= 0: each head's rounds, then their max).
-    counts = jnp.stack([j.plan.counts for j in jobs])  # [L, B, H, 2]
-    rounds = jnp.max((counts + (m - 1)) // m, axis=(0, 1, 2))
+    rounds = _busiest_rounds(jnp.stack([j.plan.counts for j in jobs]), m)
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
     def body(r, rounds_q, carry):
@@ -113,7 +111,7 @@ def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
         The stacked layers with codes and K/V moved.
     """
     layer = job.layer
-    n_layers, b, h, cap, d = layer.k.shape
+    n_layers, b, h, cap = layer.k.shape[:4]
     heads = n_layers * b * h
     if heads < _FLAT_MIN_HEADS:
         return _apply_moves_vmapped(job, lay, counts, moves=moves)
@@ -163,13 +161,18 @@ def _apply_moves_vmapped(job: MoveJob, lay, counts: Array, *, moves: int | None)
     Its loop body is smaller (fewer kernels to compile) and with few heads the rounds cost
     little more than the flat list's."""
     layer = job.layer
-    m = move_sizes(lay, job.new_k.shape[3], moves)[2]
-    rounds = jnp.max((counts + (m - 1)) // m, axis=(0, 1, 2))
+    rounds = _busiest_rounds(counts, move_sizes(lay, job.new_k.shape[3], moves)[2])
     slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
     one = lambda j, c, r, rounds_q: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, rounds_q, c: jax.vmap(one, in_axes=(0, 0, None, None))(slim, c, r, rounds_q)
     k, v, lb = _rounds_loop(rounds, body, (layer.k, layer.v, layer.lowbit))
     return layer.replace(k=k, v=v, lowbit=lb)
+
+
+def _busiest_rounds(counts: Array, m: int) -> Array:
+    """[2] int32 rounds of `m` windows the busiest head needs of each kind, counts [L, B, H, 2]
+    (>= 0) each head's windows to quantize and to bring into full precision."""
+    return jnp.max((counts + (m - 1)) // m, axis=(0, 1, 2))
 
 
 # Heads (layers x batch x KV heads) from which the stacked move loop takes every head's moves

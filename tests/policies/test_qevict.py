@@ -245,9 +245,9 @@ def _write_layers(policy, layers, k, v, n0, tables):
     return policy.write_layers(layers, [k] * n, [v] * n, pos, valid, st, None)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _write_stack(policy, stacked, k, v, n0, tables):
-    """`_write_layers`' call over a stacked cache (leading [L] axis) through `write_stack`."""
+    """`_write_layers`' call over a stacked cache (leading [L] axis) through `write_stack` (not
+    jitted here: each test jits it after setting the move loop's form)."""
     b, t = k.shape[:2]
     n = tables.shape[0]
     pos = n0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -280,7 +280,7 @@ def test_write_stack_equals_write_per_layer(moves, flat, monkeypatch):
 
     monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0 if flat else 10**9)
     policy, spec = make(budget=44, batch=2, quant_share=0.5, moves=moves)
-    write = jax.jit(lambda *a: _write_stack.__wrapped__(policy, *a))  # traced with the setting
+    write = jax.jit(lambda *a: _write_stack(policy, *a))  # traced with the setting
     rng = np.random.default_rng(11)
     n_layers, n = 3, 90
     layers = (policy.empty_cache(spec).layers[0],) * n_layers
@@ -319,7 +319,7 @@ def test_stacked_moves_write_ascending_distinct_windows(monkeypatch):
     monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0)
     policy, spec = make(budget=44, batch=2, quant_share=0.5, moves=1)
     stacked = stack_trees((policy.empty_cache(spec).layers[0],) * 2, "layers")
-    write = jax.jit(lambda *a: _write_stack.__wrapped__(policy, *a))  # traced with the spy
+    write = jax.jit(lambda *a: _write_stack(policy, *a))  # traced with the spy
     rng = np.random.default_rng(5)
     n0 = 0
     for t in [9] + [1] * 70 + [5] * 4:
