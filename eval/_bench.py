@@ -372,7 +372,7 @@ def bench_decode(
     n = context + 4 * steps + 1
     cache = new_cache(config, policy, batch=batch, max_len=n, dtype=dtype, stacked=scan_layers)
     if scan_layers:
-        params = stack_params(params)  # no copy when already stacked
+        params = stack_params(params, config)  # no copy when already stacked
     say = lambda msg: print(f"  [{policy.name}] {msg}", file=sys.stderr, flush=True)
     key = jax.random.key(0)
     t = time.perf_counter()

@@ -188,7 +188,7 @@ def run_niah(
                 )
             if scan_layers:
                 check_scannable(q, "run_niah(scan_layers=True)")
-    params = stack_params(model.params) if scan_layers or press else model.params
+    params = stack_params(model.params, model.config) if scan_layers or press else model.params
     gen = GenerateConfig(
         max_new_tokens=max_new_tokens, stop_tokens=tok.eos_ids, chunk_size=chunk_size
     )

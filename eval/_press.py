@@ -142,7 +142,7 @@ def press_context(
         scan = policy.scans_layers()
         if scan:
             empty = stack_cache(empty)
-            weights = stack_params(params) if scan_params is None else scan_params
+            weights = stack_params(params, config) if scan_params is None else scan_params
         cache, _ = prefill_cache(
             config, policy, gen, weights, empty, padded, jnp.asarray([s], jnp.int32)
         )

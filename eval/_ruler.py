@@ -251,7 +251,7 @@ def run_ruler(
     check_ruler_policies(policies)
     check_ruler_args(tasks, lengths, ratios, samples)
     rows = []
-    scan_params = stack_params(model.params)  # once for every cell's scanned prefill
+    scan_params = stack_params(model.params, model.config)  # once for every cell's scanned prefill
     for task in tasks:
         for length in lengths:
             prompts = [

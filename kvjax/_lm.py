@@ -56,7 +56,7 @@ class LM:
         self.config = config
         self.scan_layers = scan_layers
         if scan_layers:  # stacked once here, not per call
-            params = stack_params(params)
+            params = stack_params(params, config)
         self.params = params if mesh is None else _place(config, params, mesh)
         self.tokenizer = tokenizer
         self.source = source

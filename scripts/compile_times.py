@@ -79,7 +79,7 @@ def main() -> None:
     config = PRESETS[a.preset]
     params = init_params(config, jax.random.key(0), dtype=jnp.float32)
     if a.stacked:
-        params = stack_params(params)
+        params = stack_params(params, config)
     for spec in a.policy:
         row = measure(config, params, spec, a.budget, a.context, a.batch, a.steps, a.stacked)
         print(json.dumps(row), flush=True)

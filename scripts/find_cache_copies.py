@@ -38,7 +38,7 @@ for spec in sys.argv[1:] or list(budgets):
     p = params
     if os.environ.get("STACKED") == "1":  # a copy of one layer's slice or of the stack counts
         big |= {(2, *s) for s in big}
-        cache, p = stack_cache(cache), stack_params(params)
+        cache, p = stack_cache(cache), stack_params(params, cfg)
     attn = os.environ.get("ATTN", "auto")
     for label, lowered in (
         ("policy", _policy_only.lower(pol, 4, cache, jax.random.key(0))),

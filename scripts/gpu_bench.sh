@@ -172,6 +172,11 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
   probe)  # the policy's own write and control-flow costs (scripts/policy_step_probe.py ARGS)
     shift
     (cd /tmp && python3 "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/probe.txt" ;;
+  matmul)  # the decode GEMMs of a layer scan, XLA's dot against the Pallas decode GEMM reading
+    # the stacked weights in place (scripts/decode_matmul_probe.py [ROWS] [KNOB=V,V ...])
+    shift
+    (cd /tmp && XLA_FLAGS="${XLA_FLAGS---xla_gpu_enable_triton_gemm=false}" python3 \
+      "$OLDPWD/scripts/decode_matmul_probe.py" "$@") | tee -a "$OUT/matmul.txt" ;;
   trace-policy)  # per-kernel device times of the policy's own write, from a JAX profiler trace
     # (ncu crashed on this probe): trace-policy LAYERS POL:B.. (PROBE_BATCH=1 for batch 1)
     shift

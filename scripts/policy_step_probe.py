@@ -78,8 +78,9 @@ def main() -> None:
             # (the traced call runs the loop twice: second_call_seconds' warm-up and its timing)
             times = device_kernel_times(find_trace(log_dir))
             print(kernel_table(times, steps=32), flush=True)
-            # one step in time order: where the device idles (launch gaps, the cond's sync)
-            print(step_timeline(find_trace(log_dir), "kvjax_slot_write"), flush=True)
+            if not stacked:  # one step in time order: where the device idles (launch gaps, the
+                # cond's sync); the stacked write has no per-layer slot-write kernel to mark it
+                print(step_timeline(find_trace(log_dir), "kvjax_slot_write"), flush=True)
 
 
 if __name__ == "__main__":

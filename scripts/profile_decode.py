@@ -62,7 +62,7 @@ def main() -> None:
     cache, _ = fill_random(pol, cache, ctx, min(ctx, 2048), jax.random.key(0))
     stacked = os.environ.get("STACKED") == "1"
     if stacked:
-        cache, params = stack_cache(cache), stack_params(params)
+        cache, params = stack_cache(cache), stack_params(params, cfg)
     tok = jnp.zeros((batch,), jnp.int32)
     step = lambda s: _decode(cfg, pol, STEPS, "pallas", params, *s)
     state, sec = second_call_seconds(step, (cache, tok))

@@ -165,7 +165,7 @@ def run_decode(args: argparse.Namespace) -> int:
             raise ValueError("--scan-layers does not run with --mesh yet")
         for name in args.policy:  # every policy checked before anything runs
             check_scan(build_policy(name, args, config.num_layers), args)
-        params = stack_params(params)  # once for every row; the per-layer copy is dropped
+        params = stack_params(params, config)  # once for every row; the per-layer copy is dropped
     mesh = None
     if args.mesh is not None:
         from kvjax.eval._bench_mesh import parse_mesh

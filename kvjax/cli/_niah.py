@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         _runs(args, model.config.num_layers)  # per-layer budgets need the layer count
         if "press" not in protocols:  # press reads the per-layer params too (run_niah stacks)
             # once for every run; the per-layer copy is dropped
-            model = dataclasses.replace(model, params=stack_params(model.params))
+            model = dataclasses.replace(model, params=stack_params(model.params, model.config))
     n_cells = len(runs) * len(protocols) * len(args.lengths) * len(args.depths)
     results, paths = [], []
     with tqdm(total=n_cells, desc="niah", unit="cell") as bar:

@@ -69,7 +69,7 @@ def generate(
         check_scannable(policy, "GenerateConfig(scan_layers=True)")
         if mesh is not None:
             raise ValueError("GenerateConfig(scan_layers=True) does not run on a mesh yet")
-        params = stack_params(params)  # no copy when already stacked
+        params = stack_params(params, config)  # no copy when already stacked
     if mesh is not None:
         from kvjax.generate._sharded import generate_sharded
 

@@ -164,7 +164,7 @@ def score_tokens(
         check_scannable(policy, "score_tokens(scan_layers=True)")
         if mesh is not None:
             raise ValueError("score_tokens(scan_layers=True) does not run on a mesh yet")
-        params = stack_params(params)  # no copy when already stacked
+        params = stack_params(params, config)  # no copy when already stacked
     cache = new_cache(config, policy, batch=b, max_len=n_pad, dtype=dtype, stacked=scan_layers)
     layout, rows = None, jnp.asarray
     if mesh is not None:

@@ -17,6 +17,7 @@ from kvjax.models._params import (
     LlamaLayer,
     LlamaParams,
     Params,
+    fuse_projections,
     init_params,
     stack_params,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Params",
     "RopeScaling",
     "forward",
+    "fuse_projections",
     "init_params",
     "rope_rotation",
     "stack_params",

@@ -117,21 +117,56 @@ def _split_heads(x: Array, h: int, d: int) -> Array:
     return x.reshape(*x.shape[:-1], h, d)
 
 
+def _llama_qkv(config: ModelConfig, lp, h: Array) -> tuple[Array, Array, Array]:
+    """q [B, T, Hq, D], k and v [B, T, Hkv, D] (before RoPE) of the normed input h, in h's
+    dtype: one GEMM of a fused `wqkv` (`fuse_projections`), else one each."""
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    if lp.wqkv is None:
+        hq_, hk_, hv_ = separate(h, 3)
+        q = _split_heads(dense(hq_, lp.wq, lp.bq), hq, d)
+        return (
+            q,
+            _split_heads(dense(hk_, lp.wk, lp.bk), hkv, d),
+            _split_heads(dense(hv_, lp.wv, lp.bv), hkv, d),
+        )
+    g = hq // hkv
+    y = project(h, lp.wqkv).reshape(*h.shape[:-1], hkv, g + 2, d)
+    parts = [y[..., :g, :].reshape(*h.shape[:-1], hq, d), y[..., g, :], y[..., g + 1, :]]
+    biases = (lp.bq, lp.bk, lp.bv)
+    return tuple(
+        (p if b is None else p + _bias_heads(b, p)).astype(h.dtype)
+        for p, b in zip(parts, biases, strict=True)
+    )
+
+
+def _bias_heads(b: Array, like: Array) -> Array:
+    """A [H*D] bias as float32 [1, ..., H, D], to add to like [..., H, D] (explicit ranks)."""
+    return b.astype(jnp.float32).reshape((1,) * (like.ndim - 2) + like.shape[-2:])
+
+
+def _llama_gate_up(lp, h: Array) -> tuple[Array, Array]:
+    """The MLP's gate and up projections of the normed input h, float32 values of h's dtype:
+    one GEMM of a fused `w_gate_up`, else one each."""
+    if lp.w_gate_up is None:
+        hg, hu = separate(h, 2)
+        return dense(hg, lp.w_gate).astype(jnp.float32), dense(hu, lp.w_up).astype(jnp.float32)
+    y = project(h, lp.w_gate_up).astype(h.dtype).astype(jnp.float32)
+    y = y.reshape(*h.shape[:-1], -1, 2)
+    return y[..., 0], y[..., 1]
+
+
 def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, valid, attn):
     """One Llama block: x [B, T, E] → (x, (q, k, v, stats)); `shift`: the layer's KeyShift
     or None."""
-    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    hq, d = config.num_heads, config.head_dim
     rope = (config.rope_theta, config.rope_scaling)
-    hq_, hk_, hv_ = separate(rms_norm(x, lp.attn_norm, config.norm_eps), 3)
-    q = apply_rope(_split_heads(dense(hq_, lp.wq, lp.bq), hq, d), positions, *rope)
-    k = apply_rope(_split_heads(dense(hk_, lp.wk, lp.bk), hkv, d), positions, *rope)
-    v = _split_heads(dense(hv_, lp.wv, lp.bv), hkv, d)
+    q, k, v = _llama_qkv(config, lp, rms_norm(x, lp.attn_norm, config.norm_eps))
+    q = apply_rope(q, positions, *rope)
+    k = apply_rope(k, positions, *rope)
     k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, key_shift=shift, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
-    hg, hu = separate(rms_norm(x, lp.mlp_norm, config.norm_eps), 2)
-    gate = dense(hg, lp.w_gate).astype(jnp.float32)
-    up = dense(hu, lp.w_up).astype(jnp.float32)
+    gate, up = _llama_gate_up(lp, rms_norm(x, lp.mlp_norm, config.norm_eps))
     x = x + dense((jax.nn.silu(gate) * up).astype(x.dtype), lp.w_down)
     return x, (q, k, v, st)
 

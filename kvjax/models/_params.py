@@ -15,18 +15,24 @@ Array = jax.Array
 
 @struct.dataclass
 class LlamaLayer:
+    """One Llama block's weights. Fused (`fuse_projections`): `wqkv` and `w_gate_up` hold the
+    projections that share an input, and wq, wk, wv, w_gate, w_up are None."""
+
     attn_norm: Array  # [E]
-    wq: Array  # [E, Hq*D]
-    wk: Array  # [E, Hkv*D]
-    wv: Array  # [E, Hkv*D]
+    wq: Array | None  # [E, Hq*D]
+    wk: Array | None  # [E, Hkv*D]
+    wv: Array | None  # [E, Hkv*D]
     wo: Array  # [Hq*D, E]
     bq: Array | None  # [Hq*D] (Qwen2) or None
     bk: Array | None  # [Hkv*D]
     bv: Array | None  # [Hkv*D]
     mlp_norm: Array  # [E]
-    w_gate: Array  # [E, F]
-    w_up: Array  # [E, F]
+    w_gate: Array | None  # [E, F]
+    w_up: Array | None  # [E, F]
     w_down: Array  # [F, E]
+    # [E, Hkv*(G+2)*D]: per KV head h, its G query heads' columns, then k_h's, then v_h's
+    wqkv: Array | None = None
+    w_gate_up: Array | None = None  # [E, 2F]: gate column f at 2f, up column f at 2f + 1
 
 
 @struct.dataclass
@@ -126,13 +132,64 @@ def init_params(config: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
     )
 
 
-def stack_params(params: Params) -> Params:
+def stack_params(
+    params: Params, config: ModelConfig | None = None, *, fuse: bool | None = None
+) -> Params:
     """The parameters with their layers stacked along a leading [L] axis (one copy of the layer
     weights; do it once, outside the loop), the form a layer scan over a stacked cache reads.
 
+    Args:
+        params: per-layer or already stacked parameters (stacked ones come back as they are,
+            unless fuse=True asks for a fusion they lack).
+        config: the model's config, which fusing needs.
+        fuse: also fuse each Llama layer's projections of one input (`fuse_projections`), in
+            the same copy. Default: when stacking per-layer parameters of a Llama-family
+            config on GPU, where one weight-streaming GEMM of a fused weight is faster than
+            the separate ones (docs/decisions.md).
+
     Raises:
-        ValueError: the layers differ in shape.
+        ValueError: the layers differ in shape; fuse=True without a Llama-family config.
     """
-    if not isinstance(params.layers, tuple):
-        return params
-    return params.replace(layers=stack_trees(params.layers, "the model's layer parameters"))
+    per_layer = isinstance(params.layers, tuple)
+    if fuse is None:
+        gpu = jax.default_backend() == "gpu"
+        fuse = per_layer and config is not None and config.arch != Arch.GPT2 and gpu
+    if fuse and (config is None or not isinstance(params, LlamaParams)):
+        raise ValueError("stack_params(fuse=True) needs a Llama-family model and its config")
+    if per_layer:
+        if fuse:  # stacked and fused in one compiled copy: no stacked unfused copy in between
+            layers = jax.jit(_stack_fused, static_argnums=1)(params.layers, config)
+        else:
+            layers = stack_trees(params.layers, "the model's layer parameters")
+        return params.replace(layers=layers)
+    return params.replace(layers=fuse_projections(params.layers, config)) if fuse else params
+
+
+def _stack_fused(layers: tuple[LlamaLayer, ...], config: ModelConfig) -> LlamaLayer:
+    return fuse_projections(stack_trees(layers, "the model's layer parameters"), config)
+
+
+def fuse_projections(layer: LlamaLayer, config: ModelConfig) -> LlamaLayer:
+    """The layer (or a stack of layers, [L] leading) with its q, k, v weights as one `wqkv`
+    and its gate and up weights as one `w_gate_up` (a copy of those weights; idempotent).
+
+    A decode step multiplies a few rows by each weight, so its time is the weights' bytes read
+    at the speed a GEMM of that shape reaches: one GEMM of the fused weight reads them faster
+    than three (or two) small ones. The columns are grouped so that a split of the fused
+    axis into equal parts (a model-parallel mesh) keeps each KV head's q, k and v together and
+    each gate column beside its up column.
+    """
+    if layer.wqkv is not None:
+        return layer
+    hkv, d = config.num_kv_heads, config.head_dim
+    g = config.num_heads // hkv
+    lead = layer.wq.shape[:-1]  # [(L,) E]
+    q = layer.wq.reshape(*lead, hkv, g, d)
+    k = layer.wk.reshape(*lead, hkv, 1, d)
+    v = layer.wv.reshape(*lead, hkv, 1, d)
+    qkv = jnp.concatenate([q, k, v], axis=-2).reshape(*lead, hkv * (g + 2) * d)
+    gate_up = jnp.stack([layer.w_gate, layer.w_up], axis=-1)
+    gate_up = gate_up.reshape(*gate_up.shape[:-2], -1)
+    return layer.replace(
+        wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=qkv, w_gate_up=gate_up
+    )

@@ -63,6 +63,8 @@ PARAM_AXES: dict[str, tuple[Axis | None, ...]] = {
     "w_gate": (E, F),
     "w_up": (E, F),
     "w_down": (F, E),
+    "wqkv": (E, H),  # grouped per KV head (`fuse_projections`): an even split keeps heads whole
+    "w_gate_up": (E, F),  # gate and up columns side by side: an even split keeps the pairs
     "wte": (V, E),
     "wpe": (Axis.POSITIONS, E),
     "ln1_g": (E,),

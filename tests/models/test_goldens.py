@@ -2,35 +2,17 @@
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_forward import empty_forward
 
-from kvjax.cache import CacheSpec, init_cache
 from kvjax.generate import GenerateConfig, generate, score_tokens
-from kvjax.models import forward
 from kvjax.policies import make_policy
 from kvjax.weights import load_hf_dir
 
 
 def full_logits(config, params, ids: np.ndarray) -> np.ndarray:
-    """Plain forward with an empty (1-slot) cache: every token attends to its own prefix."""
-    b, s = ids.shape
-    spec = CacheSpec(
-        batch=b,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        capacities=(1,) * config.num_layers,
-    )
-    out = forward(
-        config,
-        params,
-        jnp.asarray(ids),
-        jnp.broadcast_to(jnp.arange(s), (b, s)),
-        jnp.ones((b, s), bool),
-        init_cache(spec),
-    )
-    return np.asarray(out.logits)
+    return np.asarray(empty_forward(config, params, ids).logits)
 
 
 @pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "gpt2_tiny"])

@@ -17,10 +17,13 @@ from kvjax.models import Arch, ModelConfig, init_params, stack_params
 from kvjax.policies import H2OPolicy, StreamingPolicy
 
 
-def cache_copies(policy, config, *, model: bool = False, stacked: bool = False) -> list[str]:
+def cache_copies(
+    policy, config, *, model: bool = False, stacked: bool = False, fuse: bool = False
+) -> list[str]:
     """Copies of cache-sized arrays in the compiled loop of policy writes alone, or (model) of
     whole model decode steps; `stacked`: a layer scan over a stacked cache, where a copy of one
-    layer's slice or of the whole stack counts."""
+    layer's slice or of the whole stack counts; `fuse`: the stacked params' projections fused
+    (`stack_params(fuse=True)`, the GPU's default)."""
     cache = new_cache(config, policy, batch=2, max_len=512, dtype=jnp.bfloat16)
     big = cache_sized_shapes(cache, config.head_dim)
     assert big, "the case has no cache-sized arrays to check"
@@ -29,7 +32,7 @@ def cache_copies(policy, config, *, model: bool = False, stacked: bool = False) 
         cache = stack_cache(cache)
     if model:
         params = init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
-        params = stack_params(params) if stacked else params
+        params = stack_params(params, config, fuse=fuse) if stacked else params
         tok = jnp.zeros((2,), jnp.int32)
         lowered = _decode.lower(config, policy, 3, "xla", params, cache, tok)
     else:
@@ -55,13 +58,14 @@ def test_model_decode_step_copies_no_cache_sized_array(case):
     assert cache_copies(policy, ModelConfig(**CONFIG), model=True) == []
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("case", ["full", "qevict"])  # the plainest and the busiest write
-def test_layer_scan_decode_step_copies_no_cache_sized_array(case):
+def test_layer_scan_decode_step_copies_no_cache_sized_array(case, fuse):
     # Two layers in a lax.scan over the stacked cache, read by attention in the scan and written
     # by the policy over the whole stack (QEvict: one cond and one pair of move loops for both
     # layers); XLA must do all of it in place.
     config = ModelConfig(**{**CONFIG, "num_layers": 2})
-    assert cache_copies(build(case, 200), config, model=True, stacked=True) == []
+    assert cache_copies(build(case, 200), config, model=True, stacked=True, fuse=fuse) == []
 
 
 def test_cache_sized_shapes_are_the_big_kv_arrays_not_the_ring():
