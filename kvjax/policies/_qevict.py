@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
+from kvjax.policies import _qevict_move
 from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
 from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
@@ -227,7 +228,10 @@ class QEvictPolicy(Policy):
         )(layers, k_new, v_new, stats)
         n, b, h, kk = pre.nwin.shape
         win, event = pre.win[0], pre.event[0]  # positions only: equal in every layer
-        one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
+        many = n * b * h >= _qevict_move._FLAT_MIN_HEADS  # (read here: tests patch it)
+        one = lambda st, score: route(
+            st, lay, score, win, event, moves=self.moves, gather_rows=many
+        )
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
         skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
@@ -308,7 +312,10 @@ class QEvictPolicy(Policy):
             raise ValueError("QEvict's layers must share one layout (head_dim and dtype)")
         b, h, kk = pres[0].nwin.shape
         n = len(pres)
-        one = lambda st, score: route(st, lay, score, win, event, moves=self.moves)
+        many = n * b * h >= _qevict_move._FLAT_MIN_HEADS  # (read here: tests patch it)
+        one = lambda st, score: route(
+            st, lay, score, win, event, moves=self.moves, gather_rows=many
+        )
 
         def run(ops):
             sts, scores = ops

@@ -178,7 +178,9 @@ def _busiest_rounds(counts: Array, m: int) -> Array:
 # Heads (layers x batch x KV heads) from which the stacked move loop takes every head's moves
 # as one list: per-head rounds cost the busiest head's rounds times every head, the flat list
 # its total moves, at more kernels to compile (CPU: QEvict's scanned decode loop 160 kernels
-# against 135 at SmolLM2's 90 heads).
+# against 135 at SmolLM2's 90 heads). From as many heads the routing event also reads its
+# moved windows' metadata from each kind's arrays (`_qevict_route._source_rows`: 3 kernels
+# more than one table of every candidate at SmolLM2's shapes).
 _FLAT_MIN_HEADS = 256
 
 

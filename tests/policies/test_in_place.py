@@ -127,3 +127,13 @@ def test_ranked_position_shift_decode_step_copies_no_cache_sized_array(stacked):
     config = ModelConfig(**{**CONFIG, "num_layers": 2})
     policy = H2OPolicy(budget=200, position_shift=True)
     assert cache_copies(policy, config, model=True, stacked=stacked) == []
+
+
+def test_layer_scan_qevict_many_heads_copies_no_cache_sized_array(monkeypatch):
+    """QEvict's forms for many heads (a GPU's: the flat move list, the routing event reading
+    moved windows' rows from each kind's arrays), forced at these few heads, in place too."""
+    from kvjax.policies import _qevict_move
+
+    monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0)
+    config = ModelConfig(**{**CONFIG, "num_layers": 2})
+    assert cache_copies(build("qevict", 200), config, model=True, stacked=True, fuse=True) == []

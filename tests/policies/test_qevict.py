@@ -274,13 +274,21 @@ def test_write_stack_equals_write_per_layer(moves, flat, monkeypatch):
     """The stacked write's move loop gives exactly each layer's own `write_layers`, batch rows
     and layers routing differently: flat, every head of every layer end to end and taken many
     entries a round (here more moves an event than a round takes: several rounds of each
-    kind), and by per-head rounds."""
+    kind), and by per-head rounds. Flat, the routing event also reads the moved windows'
+    metadata from each kind's arrays; the reference always from one table of candidates."""
     from kvjax.cache import stack_trees
     from kvjax.policies import _qevict_move
 
     monkeypatch.setattr(_qevict_move, "_FLAT_MIN_HEADS", 0 if flat else 10**9)
     policy, spec = make(budget=44, batch=2, quant_share=0.5, moves=moves)
     write = jax.jit(lambda *a: _write_stack(policy, *a))  # traced with the setting
+    per_layer = jax.jit(_write_layers.__wrapped__, static_argnums=0)  # traced below, as few heads
+
+    def reference(*args):
+        with monkeypatch.context() as few:
+            few.setattr(_qevict_move, "_FLAT_MIN_HEADS", 10**9)
+            return per_layer(policy, *args)
+
     rng = np.random.default_rng(11)
     n_layers, n = 3, 90
     layers = (policy.empty_cache(spec).layers[0],) * n_layers
@@ -293,7 +301,7 @@ def test_write_stack_equals_write_per_layer(moves, flat, monkeypatch):
         tables += 200 * spikes
         k, v = data[0, :, n0 : n0 + t], data[1, :, n0 : n0 + t]
         start = np.full((2,), n0, np.int32)
-        layers = _write_layers(policy, layers, k, v, start, tuple(tables))
+        layers = reference(layers, k, v, start, tuple(tables))
         stacked = write(stacked, k, v, start, jnp.asarray(tables))
         n0 += t
         want = stack_trees(layers, "layers")
