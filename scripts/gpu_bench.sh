@@ -151,7 +151,10 @@ case "${1:-foundation}" in
   decode-scan)  # end to end with the layer scan (--scan-layers: one lax.scan over a stacked
     # cache), Llama-3-8B shapes, bf16, 32K, batch 8, budgets of decode-pallas (20% of full's
     # bytes), one process per row: ms/step, policy ms and first_call_s of the scanned step
-    # (EXTRA: more flags for every row, e.g. EXTRA="--set write_kernel=xla" ROWS=confkv)
+    # (EXTRA: more flags for every row, e.g. EXTRA="--set write_kernel=xla" ROWS=confkv).
+    # JAX may take 95% of the card: full's 34 GB cache, 16 GB of weights and the fill's buffers
+    # do not fit its default 75% of an 80 GB H100 (docs/lab/2026-12-06-h100-decode-gemms.md).
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
     for row in ${ROWS:-full confkv qevict}; do
       budget=(--budget 6554); case $row in confkv) budget=(--budget 12650) ;; full|kivi) budget=() ;; esac
       if [ "$row" = kvpop ]; then  # the shipped scorers fit SmolLM2's shapes: an untrained mLSTM
