@@ -26,3 +26,8 @@ def empty_forward(config, params, ids: np.ndarray, *, stacked: bool = False):
         jnp.ones((b, s), bool),
         stack_cache(cache) if stacked else cache,
     )
+
+
+def full_logits(config, params, ids: np.ndarray) -> np.ndarray:
+    """[B, S, V] logits of `empty_forward` (each token sees its prefix)."""
+    return np.asarray(empty_forward(config, params, ids).logits)

@@ -4,15 +4,11 @@ import json
 
 import numpy as np
 import pytest
-from model_forward import empty_forward
+from model_forward import full_logits
 
 from kvjax.generate import GenerateConfig, generate, score_tokens
 from kvjax.policies import make_policy
 from kvjax.weights import load_hf_dir
-
-
-def full_logits(config, params, ids: np.ndarray) -> np.ndarray:
-    return np.asarray(empty_forward(config, params, ids).logits)
 
 
 @pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "gpt2_tiny"])

@@ -7,34 +7,17 @@ import json
 import math
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from model_forward import full_logits
 
-from kvjax.cache import CacheSpec, init_cache
 from kvjax.generate import GenerateConfig, generate, score_tokens
-from kvjax.models import RopeScaling, forward
+from kvjax.models import RopeScaling
 from kvjax.models._layers import rope_frequencies
 from kvjax.policies import make_policy
 from kvjax.weights import load_hf_dir
-
-
-def full_logits(config, params, ids: np.ndarray) -> np.ndarray:
-    """[B, S, V] logits of one forward over an empty cache (each token sees its prefix)."""
-    b, s = ids.shape
-    spec = CacheSpec(
-        batch=b,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        capacities=(1,) * config.num_layers,
-    )
-    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    valid = jnp.ones((b, s), bool)
-    return np.asarray(
-        forward(config, params, jnp.asarray(ids), positions, valid, init_cache(spec)).logits
-    )
 
 
 def test_llama31_tiny_matches_transformers(goldens):
