@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.eval._profile import device_kernel_times, find_trace
+from kvjax.pallas_kernels.decode_attention._triton import whole_spec
 
 LAYERS = 32
 ROWS = 16  # the rows a program multiplies (Triton's smallest dot): M is padded to it
@@ -59,12 +60,11 @@ def _launch(x, w, layer, *, block_k, block_n, num_splits, num_warps, num_stages,
     m, k = x.shape
     n = w.shape[2]
     xp = jnp.pad(x, ((0, ROWS - m), (0, 0)))
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     lay = jnp.asarray(layer, jnp.int32)
     part = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=k // num_splits),
         grid=(n // block_n, num_splits),
-        in_specs=[whole(lay), whole(xp), whole(w)],
+        in_specs=[whole_spec(lay), whole_spec(xp), whole_spec(w)],
         out_specs=pl.BlockSpec((1, ROWS, block_n), lambda j, s: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((num_splits, ROWS, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -228,10 +228,7 @@ class QEvictPolicy(Policy):
         )(layers, k_new, v_new, stats)
         n, b, h, kk = pre.nwin.shape
         win, event = pre.win[0], pre.event[0]  # positions only: equal in every layer
-        many = n * b * h >= _qevict_move._FLAT_MIN_HEADS  # (read here: tests patch it)
-        one = lambda st, score: route(
-            st, lay, score, win, event, moves=self.moves, gather_rows=many
-        )
+        one = self._router(lay, win, event, n * b * h)
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
         skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
@@ -239,6 +236,15 @@ class QEvictPolicy(Policy):
                                 (pre.st, pre.new_score))  # fmt: skip
         jobs = jax.vmap(self._job)(pre, st, plan._replace(counts=None))
         return apply_moves_stacked(jobs, lay, plan.counts, moves=self.moves)
+
+    def _router(self, lay, win, event, heads: int):
+        """`route` of one layer's (small arrays, leaving windows' scores), for a write over
+        `heads` heads (layers x batch x KV heads): from `_FLAT_MIN_HEADS` on (read at each
+        call: tests patch it) it reads moved windows' metadata from each kind's arrays."""
+        many = heads >= _qevict_move._FLAT_MIN_HEADS
+        return lambda st, score: route(
+            st, lay, score, win, event, moves=self.moves, gather_rows=many
+        )
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,
@@ -312,10 +318,7 @@ class QEvictPolicy(Policy):
             raise ValueError("QEvict's layers must share one layout (head_dim and dtype)")
         b, h, kk = pres[0].nwin.shape
         n = len(pres)
-        many = n * b * h >= _qevict_move._FLAT_MIN_HEADS  # (read here: tests patch it)
-        one = lambda st, score: route(
-            st, lay, score, win, event, moves=self.moves, gather_rows=many
-        )
+        one = self._router(lay, win, event, n * b * h)
 
         def run(ops):
             sts, scores = ops
