@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec, lowbit_page_bytes, write_slots
-from kvjax.policies import _qevict_move
 from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
 from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
@@ -228,7 +227,7 @@ class QEvictPolicy(Policy):
         )(layers, k_new, v_new, stats)
         n, b, h, kk = pre.nwin.shape
         win, event = pre.win[0], pre.event[0]  # positions only: equal in every layer
-        one = self._router(lay, win, event, n * b * h)
+        one = self._router(lay, win, event)
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
         skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
@@ -237,14 +236,9 @@ class QEvictPolicy(Policy):
         jobs = jax.vmap(self._job)(pre, st, plan._replace(counts=None))
         return apply_moves_stacked(jobs, lay, plan.counts, moves=self.moves)
 
-    def _router(self, lay, win, event, heads: int):
-        """`route` of one layer's (small arrays, leaving windows' scores), for a write over
-        `heads` heads (layers x batch x KV heads): from `_FLAT_MIN_HEADS` on (read at each
-        call: tests patch it) it reads moved windows' metadata from each kind's arrays."""
-        many = heads >= _qevict_move._FLAT_MIN_HEADS
-        return lambda st, score: route(
-            st, lay, score, win, event, moves=self.moves, gather_rows=many
-        )
+    def _router(self, lay, win, event):
+        """`route` of one layer's (small arrays, leaving windows' scores)."""
+        return lambda st, score: route(st, lay, score, win, event, moves=self.moves)
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,
@@ -318,7 +312,7 @@ class QEvictPolicy(Policy):
             raise ValueError("QEvict's layers must share one layout (head_dim and dtype)")
         b, h, kk = pres[0].nwin.shape
         n = len(pres)
-        one = self._router(lay, win, event, n * b * h)
+        one = self._router(lay, win, event)
 
         def run(ops):
             sts, scores = ops

@@ -141,7 +141,6 @@ def route(
     event: Array,
     *,
     moves: int | None = None,
-    gather_rows: bool = False,
 ) -> tuple[RouteState, MovePlan]:
     """One routing event: rank the resident windows and the K windows leaving the ring, and
     plan the data movement (`apply_moves` does it, outside any cond).
@@ -155,8 +154,6 @@ def route(
         moves: windows quantized, and windows entering full precision, per round and KV head
             (None: one round over every candidate). An event runs as many rounds as its
             busiest head needs.
-        gather_rows: read the moved windows' metadata from each kind's own arrays
-            (`_source_rows`), for many heads; else from one table of every candidate's.
 
     Returns:
         The new small arrays (positions, scores and ledger of every window slot and page,
@@ -231,7 +228,7 @@ def route(
     one = lambda x: x[..., None]
     # The plan's source rows [B, H, E, 2ω + 3]; a promoted page stays its (dormant) ledger entry.
     kinds = ((fp_pos, st.page_pos, new_pos), (fp_tok_score, st.page_score, new_score))
-    cand_rows = _source_rows(kinds, score, plan.src, w, gather_rows)
+    cand_rows = _source_rows(kinds, score, plan.src, w)
     zeros = lambda r, c: jnp.zeros((b, h, r, c), jnp.int32)
     rows = jnp.concatenate(  # [B, H, P + F, 2ω + 3]
         [
@@ -320,58 +317,37 @@ def _plan(lists: Array, counts: Array, back: Array, lay: Layout, n_q: int, m: in
     )
 
 
-def _source_rows(kinds, score: Array, src: Array, w: int, gather_rows: bool) -> Array:
+def _source_rows(kinds, score: Array, src: Array, w: int) -> Array:
     """The metadata rows [B, H, E, 2ω + 3] of the candidates src [B, H, E] names: positions
     [ω], token scores [ω] (a page's score on its first token), page index (a page's, else
     -1), 1 (held), window score. kinds: ((slot, page, new-window positions [B, H, n_i, ω]),
     (slot token scores [B, H, F, ω], page scores [B, H, P], new token scores [B, H, K, ω]));
     candidates are numbered slots, pages, new windows; score [B, H, F + P + K].
 
-    gather_rows: each field read from its kind's arrays at src (a gather per field and kind,
-    one select), for many heads: the table of every candidate's row (N = F + P + K of them)
-    was written whole to be read at a few entries, ~0.9 ms an event on a GPU at
-    Llama-3-8B shapes. Else that table, one kernel fewer to compile per field (XLA:CPU; the
-    first call on small shapes). The same values either way."""
+    One table of every candidate's row, read at src: one kernel fewer to compile per field
+    than gathering each field from its kind's arrays (XLA:CPU), and no more bytes on a GPU,
+    where the plan has about as many entries E as there are candidates (at Llama-3-8B
+    shapes, B = 8, 32K: 4,737 of each a head; docs/lab/2026-12-06-h100-layer-index.md)."""
     (fp_pos, pg_pos, new_pos), (fp_tok, pg_score, new_tok) = kinds
     f, npg, kk = fp_pos.shape[2], pg_pos.shape[2], new_pos.shape[2]
     one = lambda x: x[..., None]
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    kind = (src >= f).astype(jnp.int32) + (src >= f + npg).astype(jnp.int32)
-    if not gather_rows:
-        b, h = src.shape[:2]
-        n = f + npg + kk
-        at_n = jax.lax.broadcasted_iota(jnp.int32, (b, h, n), 2)
-        first = jnp.where(tok == 0, pg_score[..., None], 0.0)
-        cand = jnp.concatenate(  # [B, H, N, 2ω + 3]
-            [
-                jnp.concatenate([fp_pos, pg_pos, new_pos], axis=2),
-                bits(jnp.concatenate([fp_tok, first, new_tok], axis=2)),
-                one(jnp.where((at_n >= f) & (at_n < f + npg), at_n - f, -1)),
-                jnp.ones((b, h, n, 1), jnp.int32),
-                one(bits(score)),
-            ],
-            -1,
-        )
-        return _take(cand, src)
-
-    def at(a: Array, lo: int, size: int) -> Array:  # [B, H, E, X]: the kind's rows at src - lo
-        if size == 0:  # no candidate of this kind (none is ever read)
-            return jnp.zeros((*src.shape, a.shape[-1]), a.dtype)
-        return _take(a, jnp.clip(src - lo, 0, size - 1))
-
-    by_kind = lambda x0, x1, x2: jnp.where(one(kind) == 0, x0, jnp.where(one(kind) == 1, x1, x2))
-    pg_first = jnp.where(tok == 0, at(one(pg_score), f, npg), 0.0)
-    return jnp.concatenate(
+    b, h = src.shape[:2]
+    n = f + npg + kk
+    at_n = jax.lax.broadcasted_iota(jnp.int32, (b, h, n), 2)
+    first = jnp.where(tok == 0, pg_score[..., None], 0.0)
+    cand = jnp.concatenate(  # [B, H, N, 2ω + 3]
         [
-            by_kind(at(fp_pos, 0, f), at(pg_pos, f, npg), at(new_pos, f + npg, kk)),
-            bits(by_kind(at(fp_tok, 0, f), pg_first, at(new_tok, f + npg, kk))),
-            one(jnp.where(kind == 1, src - f, -1)),
-            jnp.ones((*src.shape, 1), jnp.int32),
-            one(bits(jnp.take_along_axis(score, src, axis=2, mode="clip"))),
+            jnp.concatenate([fp_pos, pg_pos, new_pos], axis=2),
+            bits(jnp.concatenate([fp_tok, first, new_tok], axis=2)),
+            one(jnp.where((at_n >= f) & (at_n < f + npg), at_n - f, -1)),
+            jnp.ones((b, h, n, 1), jnp.int32),
+            one(bits(score)),
         ],
         -1,
     )
+    return _take(cand, src)
 
 
 def _linked_pages(led: Array, npg: int) -> Array:
