@@ -9,6 +9,7 @@ the device allocator's peak (on GPU/TPU; run one policy per process for a per-po
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import re
@@ -216,14 +217,23 @@ def policy_seconds_per_step(
     return cache, sec / steps
 
 
-def policy_from_spec(spec: str, budget: int | None, num_layers: int) -> Policy:
+def policy_from_spec(
+    spec: str, budget: int | None, num_layers: int, sets: str | None = None
+) -> Policy:
     """The policy NAME or NAME@WRITE_KERNEL (a ranked policy's `write_kernel`) at `budget` (the
-    debugging scripts' command-line form; budgetless policies ignore both)."""
+    debugging scripts' command-line form; budgetless policies ignore both). `sets`: more
+    fields as "FIELD=VALUE,..." (values as `--set` reads them; the scripts' PROBE_SET), e.g.
+    "scorer=/tmp/kvpop_llama3.msgpack"."""
     name, _, writes = spec.partition("@")
+    more = {}
+    if sets:
+        from kvjax.cli._common import policy_kwargs
+
+        more = policy_kwargs(argparse.Namespace(set=[x for x in sets.split(",") if x]))
     if name in BUDGETLESS:
-        return make_policy(name)
+        return make_policy(name, **more)
     kw = dict(write_kernel=writes) if writes else {}
-    return make_policy(name, budget, num_layers=num_layers, **kw)
+    return make_policy(name, budget, num_layers=num_layers, **kw, **more)
 
 
 def cache_sized_shapes(cache, head_dim: int, ring: int = 64) -> set[tuple[int, ...]]:

@@ -60,6 +60,18 @@ par_groups() {
   trap "kill \$(jobs -p) 2>/dev/null || true; wait || true; tar czf '$final/$name.tgz' -C /tmp $name" EXIT TERM
   wait
 }
+# The shipped KVpop scorers fit SmolLM2's shapes: an untrained mLSTM scorer of Llama-3-8B's (the
+# same work per step; its scores rank nothing useful), written once; prints its path.
+llama3_scorer() {
+  local f=/tmp/kvpop_untrained_llama3.msgpack
+  [ -f $f ] || (cd /tmp && python3 -c 'import jax; from kvjax.scorers import _io, _modules as m
+c = m.ScorerConfig(kind="mlstm", num_layers=32, num_kv_heads=8, head_dim=128)
+_io.save_scorer("'$f'", c, m.init_scorer_params(c, jax.random.key(0)), {"trained": False})')
+  echo $f
+}
+# trace-policy / trace-decode of kvpop at Llama-3-8B shapes take that scorer (PROBE_SET: fields
+# the probe scripts set on their policy)
+kvpop_probe() { if [[ " $* " == *" kvpop:"* ]]; then export PROBE_SET="scorer=$(llama3_scorer)"; fi; }
 case "${1:-foundation}" in
   foundation)
     run bench decode --preset Llama-3-8B --dtype bfloat16 --policy full window --budget 4096 \
@@ -157,12 +169,8 @@ case "${1:-foundation}" in
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
     for row in ${ROWS:-full confkv qevict}; do
       budget=(--budget 6554); case $row in confkv) budget=(--budget 12650) ;; full|kivi) budget=() ;; esac
-      if [ "$row" = kvpop ]; then  # the shipped scorers fit SmolLM2's shapes: an untrained mLSTM
-        # scorer of Llama-3-8B's (the same work per step; its scores rank nothing useful)
-        (cd /tmp && python3 -c 'import jax; from kvjax.scorers import _io, _modules as m
-c = m.ScorerConfig(kind="mlstm", num_layers=32, num_kv_heads=8, head_dim=128)
-_io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c, jax.random.key(0)), {"trained": False})')
-        budget+=(--set scorer=/tmp/kvpop_untrained_llama3.msgpack)
+      if [ "$row" = kvpop ]; then
+        budget+=(--set scorer="$(llama3_scorer)")
       fi
       timeout "${ROW_TIMEOUT:-75}" bash -c "$(declare -f run); run bench decode --preset Llama-3-8B \
         --dtype bfloat16 --policy $row ${budget[*]} --contexts 32768 --batch ${BATCH:-8} \
@@ -183,6 +191,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
   trace-policy)  # per-kernel device times of the policy's own write, from a JAX profiler trace
     # (ncu crashed on this probe): trace-policy LAYERS POL:B.. (PROBE_BATCH=1 for batch 1)
     shift
+    kvpop_probe "$@"
     (cd /tmp && PROBE_POLICY_ONLY=1 PROBE_TRACE="$OUT/trace" python3 \
       "$OLDPWD/scripts/policy_step_probe.py" "$@") | tee -a "$OUT/trace_policy.txt"
     tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace" ;;
@@ -196,6 +205,7 @@ _io.save_scorer("/tmp/kvpop_untrained_llama3.msgpack", c, m.init_scorer_params(c
     # policy): trace-decode LAYERS POL:BUDGET [BATCH] [TUNING_FIELD=V ...] (STACKED=1: the
     # layer-scan step)
     shift
+    kvpop_probe "$@"
     (cd /tmp && TRACE=/tmp/dtrace python3 "$OLDPWD/scripts/profile_decode.py" "$@") \
       | tee -a "$OUT/trace_decode.txt"
     rm -rf /tmp/dtrace ;;

@@ -57,7 +57,9 @@ def main() -> None:
     cfg = dataclasses.replace(PRESETS["Llama-3-8B"], num_layers=n_layers)
     for spec in sys.argv[2:]:
         name, budget = spec.split(":")
-        pol = policy_from_spec(name, int(budget), num_layers=n_layers)
+        pol = policy_from_spec(
+            name, int(budget), num_layers=n_layers, sets=os.environ.get("PROBE_SET")
+        )
         batch = int(os.environ.get("PROBE_BATCH", "8"))
         stacked = bool(os.environ.get("PROBE_STACKED"))
         cache = new_cache(

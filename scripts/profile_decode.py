@@ -53,7 +53,7 @@ def main() -> None:
     cfg = dataclasses.replace(PRESETS[os.environ.get("PRESET", "Llama-3-8B")], num_layers=layers)
     ctx = int(os.environ.get("CONTEXT", "32768"))
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-    pol = policy_from_spec(name, int(budget), num_layers=layers)
+    pol = policy_from_spec(name, int(budget), num_layers=layers, sets=os.environ.get("PROBE_SET"))
     if os.environ.get("POLICY_SET"):  # hyperparameters: ints where they parse, else strings
         kw = dict(a.split("=") for a in os.environ["POLICY_SET"].split(","))
         kw = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kw.items()}

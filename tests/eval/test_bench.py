@@ -232,3 +232,16 @@ def test_policy_from_spec_reads_the_write_kernel_and_budgetless_names():
     assert type(policy_from_spec("full", None, num_layers=2)).__name__ == "FullPolicy"
     with pytest.raises(ValueError, match="write_kernel must be one of"):
         policy_from_spec("h2o@cuda", 819, num_layers=2)
+
+
+def test_policy_from_spec_sets_fields_as_the_cli_reads_them():
+    from kvjax.eval._bench import policy_from_spec
+
+    pol = policy_from_spec("streaming", 64, num_layers=2, sets="sinks=2,position_shift=true")
+    assert (pol.budget, pol.sinks, pol.position_shift) == (64, 2, True)
+    pol = policy_from_spec("confkv@pallas", 1580, num_layers=2, sets="tau=0.6")
+    assert (pol.write_kernel, pol.tau) == ("pallas", 0.6)
+    with pytest.raises(ValueError, match="'h2o'.*unexpected keyword argument 'nonsense'"):
+        policy_from_spec("h2o", 64, num_layers=2, sets="nonsense=3")
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        policy_from_spec("h2o", 64, num_layers=2, sets="sinks")
