@@ -150,16 +150,23 @@ class KVpopPolicy(RankedPolicy):
         vmapped `write` would run the eviction's sort every step as a select)."""
         if k_new.shape[2] != 1:
             return Policy.write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state)
-        lis = jnp.arange(layers.pos.shape[0], dtype=jnp.int32)
-        prep = lambda ly, k, v, li: self._prepare(ly, k, v, pos_new, valid, li)
-        layers, scores, aux = jax.vmap(prep)(layers, k_new, v_new, lis)
+        n = layers.pos.shape[0]
+        lis = jnp.arange(n, dtype=jnp.int32)
+        # Every layer's scorer parameters, mapped over as they are stacked (indexing them by
+        # the mapped layer index was a gather per leaf)
+        params = _scorer(str(resolve_scorer(self.scorer)))[1]
+        if jax.tree.leaves(params)[0].shape[0] != n:
+            self._fit(n, *k_new.shape[-2:])  # raises: the scorer's layer count differs
+        prep = lambda ly, k, v, li, p: self._prepare(ly, k, v, pos_new, valid, li, p)
+        layers, scores, aux = jax.vmap(prep)(layers, k_new, v_new, lis, params)
         new = _NewScores(scores)
         out = self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, new, state_axis=0)
         return out.replace(aux=aux)
 
-    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index):
+    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index, p=None):
         """The scorer's part of a write: (layer with its leaving ring tokens' priorities set,
-        scores [B, Hkv, T] of this call's tokens for the ranked write, the scorer's new aux)."""
+        scores [B, Hkv, T] of this call's tokens for the ranked write, the scorer's new aux).
+        `p`: the layer's scorer parameters (None: taken at `layer_index`)."""
         b, t, h, d = k_new.shape
         config, params = _scorer(str(resolve_scorer(self.scorer)))
         # A layer scan passes layer_index traced (the scorer's layer count was checked when
@@ -167,7 +174,8 @@ class KVpopPolicy(RankedPolicy):
         deep = isinstance(layer_index, int) and layer_index >= config.num_layers
         if deep or (h, d) != (config.num_kv_heads, config.head_dim):
             self._fit(layer_index + 1 if deep else config.num_layers, h, d)  # raises
-        p = layer_params(params, layer_index)
+        if p is None:
+            p = layer_params(params, layer_index)
         if config.kind == ScorerKind.MLSTM and not config.delayed:
             # The immediate-read ablation: each token is scored right after its own update and
             # carries that score through the window.
@@ -217,5 +225,8 @@ class KVpopPolicy(RankedPolicy):
             return jax.tree.map(keep, new, st), score
 
         xs = (jnp.swapaxes(x_new, 0, 1), jnp.swapaxes(x_read, 0, 1), jnp.swapaxes(valid, 0, 1))
+        if x_new.shape[1] == 1:  # a decode step: the body once, no loop (fewer kernels)
+            state, score = body(state, jax.tree.map(lambda a: a[0], xs))
+            return state, score[..., None]
         state, scores = jax.lax.scan(body, state, xs)
         return state, jnp.transpose(scores, (1, 2, 0))
