@@ -84,7 +84,8 @@ def model_step(
     # this XLA's CPU compiler may sink a read past the write and copy the whole cache.
     out, cache = jax.lax.optimization_barrier((out, cache))
     n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    last = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    at = jnp.maximum(n_valid - 1, 0)[:, None, None]  # in range: no bounds mask
+    last = jnp.take_along_axis(out.logits, at, axis=1, mode="clip")[:, 0]
     state = policy.begin_step(cache.policy_state, last, n_valid > 0)
     # Keys a policy moves to new positions (StreamingLLM's positions within the cache) are
     # turned by the model's RoPE after the write, for the next call's queries.

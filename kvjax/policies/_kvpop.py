@@ -189,10 +189,13 @@ class KVpopPolicy(RankedPolicy):
         from_new = jnp.broadcast_to(jnp.arange(t)[None, :] >= w, (b, t))
         ring_slot = jnp.mod(leave_pos, w)
         ring_tok = lambda a: jnp.take_along_axis(
-            a[:, :, :w], jnp.broadcast_to(ring_slot[:, None, :, None], (b, h, t, a.shape[-1])), 2
+            a[:, :, :w],
+            jnp.broadcast_to(ring_slot[:, None, :, None], (b, h, t, a.shape[-1])),
+            2,
+            mode="clip",  # in range (mod w): no bounds mask
         )  # [B, H, T, D]
-        new_tok = jnp.take(k_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1)
-        new_val = jnp.take(v_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1)
+        new_tok = jnp.take(k_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1, mode="clip")
+        new_val = jnp.take(v_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1, mode="clip")
         sel = from_new[:, :, None, None]
         k_out = jnp.where(sel, new_tok, jnp.swapaxes(ring_tok(layer.k), 1, 2).astype(k_new.dtype))
         v_out = jnp.where(sel, new_val, jnp.swapaxes(ring_tok(layer.v), 1, 2).astype(v_new.dtype))
@@ -203,13 +206,15 @@ class KVpopPolicy(RankedPolicy):
         else:
             r = jnp.swapaxes(readout(p, x_out), 1, 2)  # [B, H, T]
         # Leaving ring tokens get their priority in place; leaving new tokens through _NewScores.
-        ring_pos = jnp.take_along_axis(layer.pos[:, :, :w], ring_slot[:, None, :], axis=2)
+        ring_pos = jnp.take_along_axis(
+            layer.pos[:, :, :w], ring_slot[:, None, :], axis=2, mode="clip"
+        )
         old = valid & ~from_new & (leave_pos >= 0)
         old = old[:, None, :] & (ring_pos == leave_pos[:, None, :])  # [B, H, T]
         slot = jnp.where(old, ring_slot[:, None, :], layer.capacity)
         bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
         layer = layer.replace(score=layer.score.at[bi, hi, slot].set(r, mode="drop"))
-        shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2)
+        shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2, mode="clip")
         gone = (jnp.arange(t) + w < t)[None, None, :]
         return layer, jnp.where(gone, shifted, 0.0), aux
 

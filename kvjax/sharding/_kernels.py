@@ -72,7 +72,10 @@ def take_slots(arrays: tuple[Array, ...], slots: Array) -> tuple[Array, ...]:
     (zeros elsewhere) and one psum over the slot axis merges them: only the N rows cross
     devices, never a slot shard (a plain gather there would reshard the arrays first).
     """
-    take = lambda a, idx: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2)
+    # (slots in range: a "clip" gather needs no bounds mask, a simpler kernel to compile)
+    take = lambda a, idx: jnp.take_along_axis(
+        a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), 2, mode="clip"
+    )
     if not slots_sharded():
         return tuple(take(a, slots) for a in arrays)
     layout = active_layout()
