@@ -230,9 +230,16 @@ class QEvictPolicy(Policy):
         one = self._router(lay, win, event)
         empty = empty_plan(b, h, lay, kk, self.moves)
         stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
-        skip = lambda ops: (ops[0], jax.tree.map(stack, empty))
-        st, plan = jax.lax.cond(jnp.any(event), lambda ops: jax.vmap(one)(*ops), skip,
-                                (pre.st, pre.new_score))  # fmt: skip
+        # The routing event in a loop of at most one trip: its carry (every layer's small
+        # arrays, positions and scores of every slot among them) is updated in place, where a
+        # cond passed them through on the steps without an event, a copy of each a step.
+
+        def route_all(carry):
+            _, st, _ = carry
+            return (jnp.bool_(False), *jax.vmap(one)(st, pre.new_score))
+
+        init = (jnp.any(event), pre.st, jax.tree.map(stack, empty))
+        _, st, plan = jax.lax.while_loop(lambda c: c[0], route_all, init)
         jobs = jax.vmap(self._job)(pre, st, plan._replace(counts=None))
         return apply_moves_stacked(jobs, lay, plan.counts, moves=self.moves)
 
