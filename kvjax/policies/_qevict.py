@@ -217,7 +217,8 @@ class QEvictPolicy(Policy):
     def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
         """`write_layers` over a stacked cache (leading [L] axis): the per-layer parts vmapped
         over the stack (the scatters write the stacked buffers in place) and, as unrolled, one
-        routing cond and one move loop for all layers (`apply_moves_stacked`)."""
+        routing event for all layers (here a loop of at most one trip, its small arrays updated
+        in place) and one move loop (`apply_moves_stacked`)."""
         del state
         lay = self.layout(layers.k.shape[-1], layers.k.dtype)
         pre = jax.vmap(

@@ -8,9 +8,11 @@ the ranked region a dense prefix ordered by position; a decode eviction empties 
 
 Two code paths, checked against each other in tests:
 * decode (one token): O(C) scalar work and O(1) slot writes — the leaving ring token replaces the
-  lowest-priority ranked token (or fills the first free slot); a budget that shrank is enforced
-  by emptying the lowest-priority slots, under one `lax.cond` per step for all layers that
-  carries only positions and statistics and runs the sort only on the steps that need it;
+  lowest-priority ranked token (or fills the first free slot); a budget that shrank (a
+  state-dependent budget, CONF-KV's) is enforced by emptying the lowest-priority slots, once
+  per step for all layers (a `lax.cond`, or over a stacked cache a loop of at most one trip)
+  on positions and statistics only, the sort run only on the steps that need it; a fixed
+  budget is never exceeded, so its step has no eviction at all;
 * merge (prefill chunks): all candidates (ring, ranked, new) are ranked and the region rebuilt.
 """
 
@@ -234,9 +236,10 @@ class RankedPolicy(Policy):
 
     def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
         """A decode step over a stacked cache as `write_layers` plans it: the per-layer work
-        vmapped over the stack and one budget-shrink cond for all layers (`_shrink_stacked`).
-        Under a plain vmap of `write` that cond's predicate is per layer, so it would become a
-        select that runs the eviction's sort on every step. Other writes: the default vmap."""
+        vmapped over the stack and one budget shrink for all layers (`_shrink_stacked`: a loop
+        of at most one trip, only where the budget can fall). Under a plain vmap of `write` the
+        shrink's predicate is per layer, so it would become a select that runs the eviction's
+        sort on every step. Other writes: the default vmap."""
         if type(self).write is not RankedPolicy.write or k_new.shape[2] != 1:
             return super().write_stack(layers, k_new, v_new, pos_new, valid, stats, state)
         return self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, state)
