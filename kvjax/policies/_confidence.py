@@ -47,37 +47,17 @@ def chunk_width(vocab: int) -> int:
     raise ValueError(f"vocabulary size must be >= 1, got {vocab}")
 
 
-def _stats(m: Array, s: Array, t: Array, m2: Array, axis: int):
-    """Merge softmax statistics along `axis` in one variadic reduction: running max m, its
-    sum s = Σ e^(x − m), t = Σ (x − m) e^(x − m) and the second largest value m2 (the max
-    again where it occurs twice)."""
-
-    def merge(a, b):
-        (ma, sa, ta, m2a), (mb, sb, tb, m2b) = a, b
-        m = jnp.maximum(ma, mb)
-
-        def part(mi, si, ti):
-            d = jnp.where(mi == m, 0.0, mi - m)  # <= 0; -inf for an empty or masked part
-            alpha = jnp.exp(d)
-            return alpha * si, jnp.where(alpha > 0, alpha * (ti + d * si), 0.0)
-
-        (sa, ta), (sb, tb) = part(ma, sa, ta), part(mb, sb, tb)
-        return m, sa + sb, ta + tb, jnp.maximum(jnp.minimum(ma, mb), jnp.maximum(m2a, m2b))
-
-    neg = jnp.float32(-jnp.inf)
-    init = (neg, jnp.float32(0), jnp.float32(0), neg)
-    return jax.lax.reduce((m, s, t, m2), init, merge, (axis,))
+def _reduce(fn, x: Array) -> Array:
+    """fn over the chunk's entries, then over the chunks: [B, C, w] -> [B]."""
+    return fn(fn(x, axis=-1), axis=-1)
 
 
 def confidence(logits: Array) -> Confidence:
     """Confidence statistics of logits [B, V] (any float dtype; computed in float32).
 
-    The same quantities as `log_softmax` then `top_k(logp, 2)`, from one pass over the logits:
-    each chunk's running max, softmax sum, the sum of (x − max)·e^(x − max) (the entropy's
-    part) and second largest value merge in one variadic reduction (`_stats`), then over the
-    chunks (`chunk_width`): entropy = log s − t/s, p1 = 1/s, margin = max − second. No sort;
-    two reductions where separate ones for the max, the sums and the second value were ten
-    (each a kernel or two to compile)."""
+    The same quantities as `log_softmax` then `top_k(logp, 2)`: the top-2 log-probabilities
+    are the row's max and the next value (the max again where it occurs twice), so no sort
+    runs; every reduction goes over vocabulary chunks first (`chunk_width`)."""
     if logits.ndim != 2:
         raise ValueError(f"confidence: logits must be [B, V], got shape {logits.shape}")
     b, v = logits.shape
@@ -85,11 +65,17 @@ def confidence(logits: Array) -> Confidence:
         raise ValueError(f"confidence: needs at least 2 logits a row (top-2 margin), got {v}")
     w = chunk_width(v)
     x = logits.astype(jnp.float32).reshape(b, v // w, w)
-    ones, zeros = jnp.ones_like(x), jnp.zeros_like(x)
-    chunk = _stats(x, ones, zeros, jnp.full_like(x, -jnp.inf), axis=2)  # [B, C] each
-    top, s, t, second = _stats(*chunk, axis=1)  # [B]
+    top = _reduce(jnp.max, x)  # [B]
+    lse = top + jnp.log(_reduce(jnp.sum, jnp.exp(x - top[:, None, None])))
+    logp = x - lse[:, None, None]
+    p = jnp.exp(logp)
+    entropy = -_reduce(jnp.sum, jnp.where(p > 0, p * logp, 0.0))
+    at_top = x == top[:, None, None]
+    twice = _reduce(jnp.sum, at_top.astype(jnp.int32)) > 1
+    second = jnp.where(twice, top, _reduce(jnp.max, jnp.where(at_top, -jnp.inf, x)))
+    logp1, logp2 = top - lse, second - lse
     return Confidence(
-        entropy_norm=(jnp.log(s) - t / s) / jnp.log(v),
-        margin=top - second,
-        top1=1.0 / s,
+        entropy_norm=entropy / jnp.log(v),
+        margin=logp1 - logp2,
+        top1=jnp.exp(logp1),
     )
