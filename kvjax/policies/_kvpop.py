@@ -50,9 +50,13 @@ def _scorer(path: str) -> tuple[ScorerConfig, dict]:
 @struct.dataclass
 class _NewScores:
     """Stand-in for the policy state inside RankedPolicy.write: scores [B, Hkv, T] of this call's
-    tokens (those that already left the window in this call; 0 for the rest)."""
+    tokens (those that already left the window in this call; 0 for the rest); at a decode step
+    of a stacked cache also (priority, scored) [B, Hkv, 1] of the ring token leaving now, given
+    to the ranked write instead of written into its ring slot, which the new token overwrites
+    in the same step."""
 
     scores: Array
+    leaving: tuple[Array, Array] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,16 +161,25 @@ class KVpopPolicy(RankedPolicy):
         params = _scorer(str(resolve_scorer(self.scorer)))[1]
         if jax.tree.leaves(params)[0].shape[0] != n:
             self._fit(n, *k_new.shape[-2:])  # raises: the scorer's layer count differs
-        prep = lambda ly, k, v, li, p: self._prepare(ly, k, v, pos_new, valid, li, p)
-        layers, scores, aux = jax.vmap(prep)(layers, k_new, v_new, lis, params)
-        new = _NewScores(scores)
+        prep = lambda ly, k, v, li, p: self._prepare(ly, k, v, pos_new, valid, li, p, False)
+        layers, (scores, leaving), aux = jax.vmap(prep)(layers, k_new, v_new, lis, params)
+        new = _NewScores(scores, leaving)
         out = self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, new, state_axis=0)
         return out.replace(aux=aux)
 
-    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index, p=None):
+    def _leaving(self, leaving, state):
+        if state.leaving is None:
+            return leaving
+        score, scored = state.leaving
+        return leaving.replace(score=jnp.where(scored, score, leaving.score))
+
+    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index, p=None, in_place=True):
         """The scorer's part of a write: (layer with its leaving ring tokens' priorities set,
         scores [B, Hkv, T] of this call's tokens for the ranked write, the scorer's new aux).
-        `p`: the layer's scorer parameters (None: taken at `layer_index`)."""
+        `p`: the layer's scorer parameters (None: taken at `layer_index`). `in_place` False
+        (a one-token decode step): the leaving ring token's priority is not written into its
+        slot (the new token takes that slot now) but returned with the scores, as
+        (scores, (priority, scored) [B, Hkv, 1] of the leaving token), for `_leaving`."""
         b, t, h, d = k_new.shape
         config, params = _scorer(str(resolve_scorer(self.scorer)))
         # A layer scan passes layer_index traced (the scorer's layer count was checked when
@@ -181,6 +194,8 @@ class KVpopPolicy(RankedPolicy):
             # carries that score through the window.
             x = features(k_new, v_new)
             aux, r = self._mlstm(p, layer.aux, x, x, valid)
+            if not in_place:  # the leaving token was scored when it arrived
+                return layer, (r, (r[..., :1], jnp.zeros_like(r[..., :1], bool))), aux
             return layer, r, aux
         w = self.window
         # Step τ of this call writes token pos_new[τ] and pushes out token pos_new[τ] − w: the new
@@ -211,12 +226,15 @@ class KVpopPolicy(RankedPolicy):
         )
         old = valid & ~from_new & (leave_pos >= 0)
         old = old[:, None, :] & (ring_pos == leave_pos[:, None, :])  # [B, H, T]
+        shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2, mode="clip")
+        gone = (jnp.arange(t) + w < t)[None, None, :]
+        scores = jnp.where(gone, shifted, 0.0)
+        if not in_place:
+            return layer, (scores, (r, old)), aux
         slot = jnp.where(old, ring_slot[:, None, :], layer.capacity)
         bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
         layer = layer.replace(score=layer.score.at[bi, hi, slot].set(r, mode="drop"))
-        shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2, mode="clip")
-        gone = (jnp.arange(t) + w < t)[None, None, :]
-        return layer, jnp.where(gone, shifted, 0.0), aux
+        return layer, scores, aux
 
     @staticmethod
     def _mlstm(p, state, x_new: Array, x_read: Array, valid: Array):

@@ -206,6 +206,12 @@ class RankedPolicy(Policy):
     def _ranked(self, layer) -> Tokens:
         return int8_tokens(layer.int8) if self.int8 else fp_slice(layer, self.ring)
 
+    def _leaving(self, leaving: Tokens, state) -> Tokens:
+        """The token a decode step pushes out of the ring [B, H, 1] as read from its slot; a
+        policy that scores it in the same step (KVpop) sets its score here."""
+        del state
+        return leaving
+
     def _prio(self, toks: Tokens, cur: Array, li: int) -> Array:
         """Priority with sinks pinned to +inf and empty slots to -inf."""
         return self._prio_of(toks.score, toks.pos, cur, li)
@@ -258,11 +264,20 @@ class RankedPolicy(Policy):
         budgets = over_layers(budget_of, 1)(lis, state)
         layers, now = self._shrink_stacked(layers, budgets, cur3, lis)
 
-        def one(ly, k, v, st, li, budget, nw, sta):
-            plan = self._decode_plan(ly, k, v, pos_new, valid, st, sta, li, budget, nw)
+        # The token each layer's step pushes out of its ring, read for every layer at once
+        # (vmapped, the reads were gathers with a layer batch axis and transposes after them)
+        slot = (pos_new[:, 0] % self.ring)[None, :, None, None]  # [1, B, 1, 1]
+        take = lambda a: jnp.take_along_axis(
+            a, slot.reshape(slot.shape + (1,) * (a.ndim - 4)), 3, mode="clip"
+        )
+        leaving = Tokens(*(take(a) for a in (layers.k, layers.v, layers.pos, layers.score)))
+
+        def one(ly, k, v, st, li, budget, nw, sta, lv):
+            plan = self._decode_plan(ly, k, v, pos_new, valid, st, sta, li, budget, nw, lv)
             return self._apply([plan])[0]
 
-        return over_layers(one, 7)(layers, k_new, v_new, stats, lis, budgets, now, state)
+        args = (layers, k_new, v_new, stats, lis, budgets, now, state, leaving)
+        return jax.vmap(one, in_axes=(0,) * 7 + (state_axis, 0))(*args)
 
     def _shrink_stacked(self, layers, budgets, cur3, lis):
         """`_shrink` over a stacked cache (budgets [L, B, 1], lis [L]): the layers and their
@@ -342,9 +357,12 @@ class RankedPolicy(Policy):
             )
         ]
 
-    def _decode_plan(self, layer, k_new, v_new, pos_new, valid, stats, state, li, budget, now):
+    def _decode_plan(
+        self, layer, k_new, v_new, pos_new, valid, stats, state, li, budget, now, leaving=None
+    ):
         """A layer's pending slot writes, given its ranked region's `slot_stats` after the
-        shrink (`now`) and its ranked budget [B, 1]."""
+        shrink (`now`), its ranked budget [B, 1] and the ring token it pushes out (`leaving`,
+        [B, H, 1] Tokens; None: read here)."""
         b, _, h, _ = k_new.shape
         w = self.ring
         cur = pos_new[:, 0]
@@ -359,8 +377,10 @@ class RankedPolicy(Policy):
         ring_slot = jnp.broadcast_to((cur % w)[:, None, None], (b, h, 1))
         # The token the new one pushes out, read from the whole arrays (a slice of the ring
         # would reshard a slot-split cache: context-parallel, each device reads its own slots).
-        fields = (layer.k, layer.v, layer.pos, layer.score)
-        leaving = Tokens(*take_slots(fields, ring_slot))
+        if leaving is None:
+            fields = (layer.k, layer.v, layer.pos, layer.score)
+            leaving = Tokens(*take_slots(fields, ring_slot))
+        leaving = self._leaving(leaving, state)
         leave_prio = self._prio(leaving, cur3, li)[..., 0]
         if self.frozen_in_decode:
             leave_prio = jnp.full_like(leave_prio, -_INF)
