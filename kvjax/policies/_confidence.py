@@ -66,14 +66,21 @@ def confidence(logits: Array) -> Confidence:
     w = chunk_width(v)
     x = logits.astype(jnp.float32).reshape(b, v // w, w)
     top = _reduce(jnp.max, x)  # [B]
-    lse = top + jnp.log(_reduce(jnp.sum, jnp.exp(x - top[:, None, None])))
-    logp = x - lse[:, None, None]
-    p = jnp.exp(logp)
-    entropy = -_reduce(jnp.sum, jnp.where(p > 0, p * logp, 0.0))
-    at_top = x == top[:, None, None]
-    twice = _reduce(jnp.sum, at_top.astype(jnp.int32)) > 1
-    second = jnp.where(twice, top, _reduce(jnp.max, jnp.where(at_top, -jnp.inf, x)))
-    logp1, logp2 = top - lse, second - lse
+    # One pass over the row after its max: s = Σ e and t = Σ e·(x − max), e = exp(x − max),
+    # so log p1 = −log s and the entropy is log s − t/s (plain sums after the max, no running
+    # rescale), and the max's count, as one sum over the three stacked (one kernel for their
+    # inputs and one reduction, where each sum read an input materialized by a kernel of its
+    # own); then the largest value below the max.
+    d = x - top[:, None, None]
+    e = jnp.exp(d)
+    at_top = d == 0
+    # (a masked −inf entry adds 0 to t; the count is exact in float32 up to 2^24 entries)
+    sums = _reduce(jnp.sum, jnp.stack([e, jnp.where(e > 0, e * d, 0.0), at_top.astype(e.dtype)]))
+    s, t, count = sums[0], sums[1], sums[2]
+    second = jnp.where(count > 1, top, _reduce(jnp.max, jnp.where(at_top, -jnp.inf, x)))
+    log_s = jnp.log(s)
+    entropy = log_s - t / s
+    logp1, logp2 = -log_s, second - top - log_s
     return Confidence(
         entropy_norm=entropy / jnp.log(v),
         margin=logp1 - logp2,
