@@ -161,10 +161,15 @@ class KVpopPolicy(RankedPolicy):
         params = _scorer(str(resolve_scorer(self.scorer)))[1]
         if jax.tree.leaves(params)[0].shape[0] != n:
             self._fit(n, *k_new.shape[-2:])  # raises: the scorer's layer count differs
-        prep = lambda ly, k, v, li, p: self._prepare(ly, k, v, pos_new, valid, li, p, False)
-        layers, (scores, leaving), aux = jax.vmap(prep)(layers, k_new, v_new, lis, params)
-        new = _NewScores(scores, leaving)
-        out = self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, new, state_axis=0)
+        # The ring token this step pushes out, read once for every layer: the scorer reads it
+        # and the ranked write moves it
+        ring = self.leaving_stack(layers, pos_new)
+        prep = lambda ly, k, v, li, p, r: self._prepare(ly, k, v, pos_new, valid, li, p, r)
+        layers, (scores, scored), aux = jax.vmap(prep)(layers, k_new, v_new, lis, params, ring)
+        new = _NewScores(scores, scored)
+        out = self._decode_stack(
+            layers, k_new, v_new, pos_new, valid, stats, new, state_axis=0, leaving=ring
+        )
         return out.replace(aux=aux)
 
     def _leaving(self, leaving, state):
@@ -173,13 +178,14 @@ class KVpopPolicy(RankedPolicy):
         score, scored = state.leaving
         return leaving.replace(score=jnp.where(scored, score, leaving.score))
 
-    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index, p=None, in_place=True):
+    def _prepare(self, layer, k_new, v_new, pos_new, valid, layer_index, p=None, ring=None):
         """The scorer's part of a write: (layer with its leaving ring tokens' priorities set,
         scores [B, Hkv, T] of this call's tokens for the ranked write, the scorer's new aux).
-        `p`: the layer's scorer parameters (None: taken at `layer_index`). `in_place` False
-        (a one-token decode step): the leaving ring token's priority is not written into its
-        slot (the new token takes that slot now) but returned with the scores, as
-        (scores, (priority, scored) [B, Hkv, 1] of the leaving token), for `_leaving`."""
+        `p`: the layer's scorer parameters (None: taken at `layer_index`). `ring` (a one-token
+        decode step): the ring token it pushes out, [B, Hkv, 1] Tokens read by the caller; its
+        priority is then not written into its slot (the new token takes that slot now) but
+        returned with the scores, as (scores, (priority, scored) [B, Hkv, 1]), for
+        `_leaving`."""
         b, t, h, d = k_new.shape
         config, params = _scorer(str(resolve_scorer(self.scorer)))
         # A layer scan passes layer_index traced (the scorer's layer count was checked when
@@ -194,7 +200,7 @@ class KVpopPolicy(RankedPolicy):
             # carries that score through the window.
             x = features(k_new, v_new)
             aux, r = self._mlstm(p, layer.aux, x, x, valid)
-            if not in_place:  # the leaving token was scored when it arrived
+            if ring is not None:  # the leaving token was scored when it arrived
                 return layer, (r, (r[..., :1], jnp.zeros_like(r[..., :1], bool))), aux
             return layer, r, aux
         w = self.window
@@ -212,8 +218,11 @@ class KVpopPolicy(RankedPolicy):
         new_tok = jnp.take(k_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1, mode="clip")
         new_val = jnp.take(v_new, jnp.clip(jnp.arange(t) - w, 0, t - 1), axis=1, mode="clip")
         sel = from_new[:, :, None, None]
-        k_out = jnp.where(sel, new_tok, jnp.swapaxes(ring_tok(layer.k), 1, 2).astype(k_new.dtype))
-        v_out = jnp.where(sel, new_val, jnp.swapaxes(ring_tok(layer.v), 1, 2).astype(v_new.dtype))
+        ring_k, ring_v = (
+            (ring_tok(layer.k), ring_tok(layer.v)) if ring is None else (ring.k, ring.v)
+        )
+        k_out = jnp.where(sel, new_tok, jnp.swapaxes(ring_k, 1, 2).astype(k_new.dtype))
+        v_out = jnp.where(sel, new_val, jnp.swapaxes(ring_v, 1, 2).astype(v_new.dtype))
         x_out = features(k_out, v_out)  # [B, T, H, F] features of the leaving tokens
         aux = layer.aux
         if config.kind == ScorerKind.MLSTM:
@@ -221,15 +230,18 @@ class KVpopPolicy(RankedPolicy):
         else:
             r = jnp.swapaxes(readout(p, x_out), 1, 2)  # [B, H, T]
         # Leaving ring tokens get their priority in place; leaving new tokens through _NewScores.
-        ring_pos = jnp.take_along_axis(
-            layer.pos[:, :, :w], ring_slot[:, None, :], axis=2, mode="clip"
-        )
+        if ring is None:
+            ring_pos = jnp.take_along_axis(
+                layer.pos[:, :, :w], ring_slot[:, None, :], axis=2, mode="clip"
+            )
+        else:
+            ring_pos = ring.pos
         old = valid & ~from_new & (leave_pos >= 0)
         old = old[:, None, :] & (ring_pos == leave_pos[:, None, :])  # [B, H, T]
         shifted = jnp.take(r, jnp.clip(jnp.arange(t) + w, 0, t - 1), axis=2, mode="clip")
         gone = (jnp.arange(t) + w < t)[None, None, :]
         scores = jnp.where(gone, shifted, 0.0)
-        if not in_place:
+        if ring is not None:
             return layer, (scores, (r, old)), aux
         slot = jnp.where(old, ring_slot[:, None, :], layer.capacity)
         bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]

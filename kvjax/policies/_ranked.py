@@ -250,9 +250,24 @@ class RankedPolicy(Policy):
             return super().write_stack(layers, k_new, v_new, pos_new, valid, stats, state)
         return self._decode_stack(layers, k_new, v_new, pos_new, valid, stats, state)
 
-    def _decode_stack(self, layers, k_new, v_new, pos_new, valid, stats, state, state_axis=None):
+    def leaving_stack(self, layers, pos_new: Array) -> Tokens:
+        """The ring token a one-token decode step pushes out of every layer of a stacked cache,
+        [L, B, H, 1] Tokens (K/V [L, B, H, 1, D]): the slot pos mod ring of each batch row, read
+        for all layers at once (vmapped, the reads were gathers with a layer batch axis and
+        transposes after them)."""
+        slot = (pos_new[:, 0] % self.ring)[None, :, None, None]  # [1, B, 1, 1]
+        take = lambda a: jnp.take_along_axis(
+            a, slot.reshape(slot.shape + (1,) * (a.ndim - 4)), 3, mode="clip"
+        )
+        return Tokens(*(take(a) for a in (layers.k, layers.v, layers.pos, layers.score)))
+
+    def _decode_stack(
+        self, layers, k_new, v_new, pos_new, valid, stats, state, state_axis=None, leaving=None
+    ):
         """`write_stack`'s decode step; state_axis 0: `state` has a leading [L] axis (one state
-        per layer, as KVpop's scores of its leaving tokens), None: one for all layers."""
+        per layer, as KVpop's scores of its leaving tokens), None: one for all layers.
+        `leaving`: `leaving_stack(layers, pos_new)` read by the caller before this step's score
+        updates (a policy whose decode scores leave its ring untouched), else read here."""
         lis = jnp.arange(layers.pos.shape[0], dtype=jnp.int32)
         cur3 = pos_new[:, 0][:, None, None]
         b = pos_new.shape[0]
@@ -264,13 +279,8 @@ class RankedPolicy(Policy):
         budgets = over_layers(budget_of, 1)(lis, state)
         layers, now = self._shrink_stacked(layers, budgets, cur3, lis)
 
-        # The token each layer's step pushes out of its ring, read for every layer at once
-        # (vmapped, the reads were gathers with a layer batch axis and transposes after them)
-        slot = (pos_new[:, 0] % self.ring)[None, :, None, None]  # [1, B, 1, 1]
-        take = lambda a: jnp.take_along_axis(
-            a, slot.reshape(slot.shape + (1,) * (a.ndim - 4)), 3, mode="clip"
-        )
-        leaving = Tokens(*(take(a) for a in (layers.k, layers.v, layers.pos, layers.score)))
+        if leaving is None:
+            leaving = self.leaving_stack(layers, pos_new)
 
         def one(ly, k, v, st, li, budget, nw, sta, lv):
             plan = self._decode_plan(ly, k, v, pos_new, valid, st, sta, li, budget, nw, lv)
