@@ -57,6 +57,17 @@ def test_chunked_vocabularies_match():
     assert float(tie.margin[0]) == 0.0
 
 
+@pytest.mark.parametrize("v, peak", [(1000, 10.394642), (4096, 13.132131), (6000, 13.7974615)])
+def test_one_peak_over_many_small_terms(v, peak):
+    """One large logit over v − 1 zeros: the softmax sum is 1 plus many terms near e^−peak.
+    Summed one term at a time in float32 (an XLA:CPU variadic reduction is such a loop) the
+    entropy came out 3–7e-5 (relative) off the float64 reference on exactly these rows."""
+    x = np.zeros((2, v), np.float32)
+    x[0, 3] = peak
+    x[1, v - 1] = peak
+    check(x)
+
+
 def test_prime_vocabulary_is_one_reduction():
     assert chunk_width(4099) == 1  # no divisor up to MAX_CHUNK but 1: the row as one chunk
     check(np.random.default_rng(1).standard_normal((2, 4099)).astype(np.float32))
