@@ -78,11 +78,8 @@ def confidence(logits: Array) -> Confidence:
     sums = _reduce(jnp.sum, jnp.stack([e, jnp.where(e > 0, e * d, 0.0), at_top.astype(e.dtype)]))
     s, t, count = sums[0], sums[1], sums[2]
     second = jnp.where(count > 1, top, _reduce(jnp.max, jnp.where(at_top, -jnp.inf, x)))
-    log_s = jnp.log(s)
-    entropy = log_s - t / s
-    logp1, logp2 = -log_s, second - top - log_s
     return Confidence(
-        entropy_norm=entropy / jnp.log(v),
-        margin=logp1 - logp2,
-        top1=jnp.exp(logp1),
+        entropy_norm=(jnp.log(s) - t / s) / jnp.log(v),
+        margin=top - second,
+        top1=1.0 / s,
     )

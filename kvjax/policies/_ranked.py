@@ -282,12 +282,12 @@ class RankedPolicy(Policy):
         if leaving is None:
             leaving = self.leaving_stack(layers, pos_new)
 
-        def one(ly, k, v, st, li, budget, nw, sta, lv):
+        def one(ly, k, v, st, li, budget, nw, lv, sta):
             plan = self._decode_plan(ly, k, v, pos_new, valid, st, sta, li, budget, nw, lv)
             return self._apply([plan])[0]
 
-        args = (layers, k_new, v_new, stats, lis, budgets, now, state, leaving)
-        return jax.vmap(one, in_axes=(0,) * 7 + (state_axis, 0))(*args)
+        args = (layers, k_new, v_new, stats, lis, budgets, now, leaving, state)
+        return over_layers(one, 8)(*args)
 
     def _shrink_stacked(self, layers, budgets, cur3, lis):
         """`_shrink` over a stacked cache (budgets [L, B, 1], lis [L]): the layers and their
