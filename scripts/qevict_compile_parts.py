@@ -7,9 +7,9 @@ the routing event's data movement, and without the event at all (SmolLM2 shapes,
 The parts are cut out by replacing them for the measurement only: `apply_moves_stacked` by
 the layers as they are ("no moves"), and also the event's loop by its initial carry ("no
 event"). What is left compiles the same scores, ring writes and attention. One JSON line per
-(part, policy): trace + lower CPU seconds, XLA compile CPU seconds, the distinct kernels
-XLA:CPU emitted for the loop (object files in an `--xla_dump_to` folder). Each part runs in
-its own process (XLA's flags are read once per process).
+part: `compile_times.py`'s fields (trace + lower and XLA compile CPU seconds, ...) and the
+distinct kernels XLA:CPU emitted for the loop (object files in an `--xla_dump_to` folder).
+Each part runs in its own process (XLA's flags are read once per process).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 PARTS = ("whole", "no moves", "no event")
 
@@ -29,10 +28,9 @@ def _measure(part: str) -> None:
 
     import jax
     import jax.numpy as jnp
+    from compile_times import measure  # this folder's: the same loop, lowering and timers
 
     import kvjax.policies._qevict as qevict
-    from kvjax.eval._bench import _decode, policy_from_spec
-    from kvjax.generate import new_cache
     from kvjax.models import PRESETS, init_params, stack_params
 
     jax.config.update("jax_enable_compilation_cache", False)
@@ -53,17 +51,8 @@ def _measure(part: str) -> None:
     params = stack_params(init_params(config, jax.random.key(0), dtype=jnp.float32), config)
     for p in patches:
         p.start()
-    policy = policy_from_spec("qevict", 256, config.num_layers)
-    cache = new_cache(config, policy, batch=1, max_len=1024, dtype=jnp.float32, stacked=True)
-    tok = jnp.zeros((1,), jnp.int32)
-    c0 = time.process_time()
-    lowered = _decode.lower(config, policy, 4, "xla", params, cache, tok)
-    c1 = time.process_time()
-    lowered.compile()
-    c2 = time.process_time()
-    print(
-        json.dumps(dict(part=part, lower_cpu_s=round(c1 - c0, 2), compile_cpu_s=round(c2 - c1, 2)))
-    )
+    row = measure(config, params, "qevict", 256, 1024, 1, 4, True)
+    print(json.dumps(dict(part=part, **row)))
 
 
 def main() -> None:
