@@ -25,7 +25,15 @@ from kvjax.cache import (
     tier_extents,
 )
 from kvjax.models._config import Arch, ModelConfig
-from kvjax.models._layers import apply_rope, dense, gelu_tanh, layer_norm, rms_norm
+from kvjax.models._layers import (
+    apply_rope,
+    dense,
+    gelu_tanh,
+    layer_norm,
+    rms_norm,
+    rope_table,
+    rotate,
+)
 from kvjax.models._params import GPT2Params, LlamaParams, Params
 
 Array = jax.Array
@@ -155,14 +163,12 @@ def _llama_gate_up(lp, h: Array) -> tuple[Array, Array]:
     return y[..., 0], y[..., 1]
 
 
-def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, valid, attn):
+def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, valid, attn, rope):
     """One Llama block: x [B, T, E] → (x, (q, k, v, stats)); `shift`: the layer's KeyShift
-    or None."""
+    or None; `rope`: the call's `rope_table` at `positions` (every layer's)."""
     hq, d = config.num_heads, config.head_dim
-    rope = (config.rope_theta, config.rope_scaling)
     q, k, v = _llama_qkv(config, lp, rms_norm(x, lp.attn_norm, config.norm_eps))
-    q = apply_rope(q, positions, *rope)
-    k = apply_rope(k, positions, *rope)
+    q, k = rotate(q, rope), rotate(k, rope)
     k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, key_shift=shift, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)
@@ -228,7 +234,8 @@ def _layers(config: ModelConfig, block, param_layers, cache: Cache, shifts, x, a
 
 def _llama(config: ModelConfig, p: LlamaParams, tokens, positions, valid, cache, shifts, attn):
     x = jnp.take(p.embed, tokens, axis=0)  # [B, T, E]
-    args = (positions, valid, attn)
+    rope = rope_table(positions, config.head_dim, config.rope_theta, config.rope_scaling)
+    args = (positions, valid, attn, rope)
     x, (qs, ks, vs, stats) = _layers(config, _llama_layer, p.layers, cache, shifts, x, args)
     x = rms_norm(x, p.final_norm, config.norm_eps)
     tied = p.lm_head is None  # tied: the embedding [V, E] read as stored

@@ -73,11 +73,25 @@ def apply_rope(
         theta: RoPE base.
         scaling: frequency scaling (None: plain RoPE).
     """
-    d = x.shape[-1]
-    inv_freq = rope_frequencies(d, theta, scaling)  # [D/2]
+    return rotate(x, rope_table(positions, x.shape[-1], theta, scaling))
+
+
+def rope_table(
+    positions: Array, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Array, Array]:
+    """(cos, sin) [B, T, 1, D/2] float32 of the rotary angles at `positions` [B, T]: what
+    `rotate` turns keys and queries by. Every layer of a step turns by the same table, so a
+    model computes it once per call, outside its layers (in a layer scan, a kernel of its own
+    in every layer otherwise)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)  # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rotate(x: Array, table: tuple[Array, Array]) -> Array:
+    """x [B, T, H, D] turned by a `rope_table` (half-split layout), in x's dtype."""
+    cos, sin = table
+    d = x.shape[-1]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

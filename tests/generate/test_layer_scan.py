@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from policy_cases import NAMES, build
 
 import kvjax.generate._step as step_module
@@ -105,6 +106,37 @@ def test_scanned_pallas_step_hands_every_decode_kernel_the_stack(tiny_llama, cas
     for e in calls:  # extent [B, Hkv], q_pos [B], q [B, Hkv, Gp, D]; then the tier's arrays
         assert [v.aval.shape[0] for v in e.invars[3:-1]] == [lead] * (len(e.invars) - 4), e
         assert e.invars[-1].aval.shape == ()  # the layer
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr and of the jaxprs nested in it."""
+    out = set()
+    for e in jaxpr.eqns:
+        out.add(e.primitive.name)
+        for sub in jaxprs_in_params(e.params):
+            out |= _primitives(sub)
+    return out
+
+
+def test_layer_scan_turns_by_one_rope_table_per_step(tiny_llama):
+    """RoPE's cos/sin table is computed once per step, outside the layer scan: every layer
+    turns by the same angles, and XLA's GPU compiler leaves a table computed in the scan's
+    body there (a kernel in every layer of every step)."""
+    config, params = tiny_llama
+    cache = new_cache(
+        config, build("h2o", 12), batch=2, max_len=32, dtype=jnp.float32, stacked=True
+    )
+    tok, one = jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool)
+    step = lambda c: model_step(config, build("h2o", 12), stack_params(params), c, tok, one)
+    jaxpr = jax.make_jaxpr(step)(cache).jaxpr
+    # the layer scan: the scan whose length is the layer count
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    layer_scans = [e for e in scans if e.params["length"] == config.num_layers]
+    assert len(layer_scans) == 1, [e.params["length"] for e in scans]
+    body = _primitives(layer_scans[0].params["jaxpr"].jaxpr)
+    assert "dot_general" in body  # (the layers' projections are in it)
+    assert not body & {"sin", "cos"}, body & {"sin", "cos"}
+    assert {"sin", "cos"} <= _primitives(jaxpr)  # computed once, outside
 
 
 def test_stack_then_unstack_is_the_same_cache(tiny_llama):
