@@ -27,12 +27,12 @@ from kvjax.cache import (
 from kvjax.models._config import Arch, ModelConfig
 from kvjax.models._layers import (
     apply_rope,
+    apply_rope_table,
     dense,
     gelu_tanh,
     layer_norm,
     rms_norm,
     rope_table,
-    rotate,
 )
 from kvjax.models._params import GPT2Params, LlamaParams, Params
 
@@ -168,7 +168,7 @@ def _llama_layer(config: ModelConfig, lp, layer_cache, shift, x, positions, vali
     or None; `rope`: the call's `rope_table` at `positions` (every layer's)."""
     hq, d = config.num_heads, config.head_dim
     q, k, v = _llama_qkv(config, lp, rms_norm(x, lp.attn_norm, config.norm_eps))
-    q, k = rotate(q, rope), rotate(k, rope)
+    q, k = apply_rope_table(q, rope), apply_rope_table(k, rope)
     k, v = _to_cache_dtype(layer_cache, k, v)
     o, st = attend(q, layer_cache, k, v, positions, valid, key_shift=shift, **attn)
     x = x + dense(o.reshape(*o.shape[:2], hq * d), lp.wo)

@@ -73,22 +73,22 @@ def apply_rope(
         theta: RoPE base.
         scaling: frequency scaling (None: plain RoPE).
     """
-    return rotate(x, rope_table(positions, x.shape[-1], theta, scaling))
+    return apply_rope_table(x, rope_table(positions, x.shape[-1], theta, scaling))
 
 
 def rope_table(
     positions: Array, head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[Array, Array]:
-    """(cos, sin) [B, T, 1, D/2] float32 of the rotary angles at `positions` [B, T]: what
-    `rotate` turns keys and queries by. Every layer of a step turns by the same table, so a
-    model computes it once per call, outside its layers (in a layer scan, a kernel of its own
-    in every layer otherwise)."""
+    """(cos, sin) [B, T, 1, D/2] float32 of the rotary angles at `positions` [B, T], what
+    `apply_rope_table` turns keys and queries by. Every layer of a step turns by the same
+    table, so a model computes it once per call, outside its layers (in a layer scan, a kernel
+    of its own in every layer otherwise)."""
     inv_freq = rope_frequencies(head_dim, theta, scaling)  # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
     return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
 
 
-def rotate(x: Array, table: tuple[Array, Array]) -> Array:
+def apply_rope_table(x: Array, table: tuple[Array, Array]) -> Array:
     """x [B, T, H, D] turned by a `rope_table` (half-split layout), in x's dtype."""
     cos, sin = table
     d = x.shape[-1]
