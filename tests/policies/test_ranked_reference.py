@@ -275,7 +275,9 @@ def test_slot_stats_is_the_four_reductions_by_brute_force(m, seed, p_empty, leve
 
     rng = np.random.default_rng(seed)
     shape = (3, 2, m)
-    pos = np.where(rng.random(shape) < p_empty, -1, rng.integers(0, 100, shape)).astype(np.int32)
+    # empty: EMPTY (-1) or any other negative position (the sign bit marks it)
+    empty = np.where(rng.random(shape) < 0.5, -1, -rng.integers(1, 2**31, shape, dtype=np.int64))
+    pos = np.where(rng.random(shape) < p_empty, empty, rng.integers(0, 100, shape)).astype(np.int32)
     prio = rng.integers(0, levels, shape).astype(np.float32)
     prio[rng.random(shape) < 0.1] = np.inf
     prio[rng.random(shape) < 0.05] = np.nan
