@@ -124,26 +124,9 @@ def _add(x: Array, bias: Array) -> Array:
     return x + bias.reshape((1,) * (x.ndim - bias.ndim) + bias.shape)
 
 
-def _per_head(x: Array, w: Array) -> Array:
-    """x [..., Hkv, F] float32 times each head's w [Hkv, F, M]: [..., Hkv, M].
-
-    For a decode step's few rows (at most `_FEW_ROWS` of B·Hkv), a product summed over F: one
-    fused kernel reading x and w as they lie. As a batched dot (batch axis Hkv) XLA's GPU
-    compiler moved Hkv first in x and back in the result, two transposes beside a cuBLAS call,
-    each a launch of a few µs at these sizes (KVpop's decode step on an H100: three such dots,
-    33 µs, and 15 µs of transposes of its 153 µs of policy kernels)."""
-    if math.prod(x.shape[:-1]) <= _FEW_ROWS:
-        w = w.reshape((1,) * (x.ndim - 2) + w.shape)  # (rank promotion stays explicit)
-        return jnp.sum(x[..., None] * w, axis=-2)
-    return jnp.einsum("...hf,hfm->...hm", x, w)
-
-
-_FEW_ROWS = 256  # rows (B·Hkv) up to which `_per_head` multiplies and sums rather than dots
-
-
 def readout(p: Params, x: Array) -> Array:
     """Per-head SiLU MLP: x [..., Hkv, F'] float32 → [..., Hkv] (p: one layer's params)."""
-    h = jax.nn.silu(_add(_per_head(x, p["w1"]), p["b1"]))
+    h = jax.nn.silu(_add(jnp.einsum("...hf,hfk->...hk", x, p["w1"]), p["b1"]))
     return _add(jnp.einsum("...hk,hk->...h", h, p["w2"]), p["b2"])
 
 
@@ -167,7 +150,7 @@ def mlstm_step(p: Params, state: MlstmState, x_new: Array, x_read: Array):
     mem = p["wk"].shape[-1]
     # The four projections of the entering token as one product (one kernel, not four)
     w = jnp.concatenate([p["wk"], p["wv"], p["wi"][..., None], p["wf"][..., None]], axis=-1)
-    y = _per_head(x_new, w)
+    y = jnp.einsum("bhf,hfm->bhm", x_new, w)
     k, v = y[..., :mem] / math.sqrt(mem), y[..., mem : 2 * mem]
     i_gate = _add(y[..., 2 * mem], p["bi"])
     log_f = jax.nn.log_sigmoid(_add(y[..., 2 * mem + 1], p["bf"]))
@@ -175,7 +158,7 @@ def mlstm_step(p: Params, state: MlstmState, x_new: Array, x_read: Array):
     i_s, f_s = jnp.exp(i_gate - m), jnp.exp(log_f + state.m - m)
     c = f_s[..., None, None] * state.c + i_s[..., None, None] * v[..., :, None] * k[..., None, :]
     n = f_s[..., None] * state.n + i_s[..., None] * k
-    q = _per_head(x_read, p["wq"])
+    q = jnp.einsum("bhf,hfm->bhm", x_read, p["wq"])
     denom = jnp.maximum(jnp.abs(jnp.sum(n * q, axis=-1)), jnp.exp(-m))
     h = jnp.einsum("bhvk,bhk->bhv", c, q) / denom[..., None]
     score = readout(p, jnp.concatenate([h, x_read], axis=-1))
