@@ -6,6 +6,7 @@ instructions of the compiled module, as one JSON line.
     PYTHONPATH=$W .venv/bin/python -P scripts/qevict_write_compile.py
     PYTHONPATH=$W .venv/bin/python -P scripts/qevict_write_compile.py --kernels DIR
     PYTHONPATH=$W .venv/bin/python -P scripts/qevict_write_compile.py --kernels DIR --loop
+    PYTHONPATH=$W .venv/bin/python -P scripts/qevict_write_compile.py --kernels DIR --loop --top 30
 
 With --kernels it compiles in a child process under XLA's own timers (`TF_CPP_VMODULE`) and an
 HLO dump in DIR, and prints, per computation of the compiled module (the routing event's
@@ -13,7 +14,8 @@ branch, the move loop's body, ...), the distinct kernels XLA:CPU compiled for it
 MLIR + LLVM milliseconds (identical fusions are compiled once; library calls such as the
 matmuls and sorts are not kernels). --loop does this for the whole scanned decode loop instead
 (`scripts/compile_times.py --preset SmolLM2-135M --budget 256 --context 1024 --stacked
---policy qevict`, module `jit__decode`).
+--policy qevict`, module `jit__decode`). --top N then lists the N costliest kernels, each with
+its milliseconds, output shape and the JAX operation XLA named it after.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def measure() -> dict:
     )
 
 
-def kernels(dump: str, loop: bool) -> None:
+def kernels(dump: str, loop: bool, top: int = 0) -> None:
     env = dict(
         os.environ,
         XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
@@ -85,7 +87,7 @@ def kernels(dump: str, loop: bool) -> None:
     )
     print(run.stdout.strip())
     (path,) = glob.glob(f"{dump}/*{module_name}.cpu_after_optimizations.txt")
-    owner, comp = {}, None  # instruction -> its computation
+    owner, comp, what = {}, None, {}  # instruction -> its computation; -> (shape, op)
     with open(path) as f:
         text = f.read().splitlines()
     for line in text:
@@ -93,9 +95,11 @@ def kernels(dump: str, loop: bool) -> None:
         if m and not line.startswith(" "):
             comp = m.group(1)
             continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", line)
         if m:
             owner.setdefault(m.group(1), comp)
+            op = re.search(r'op_name="([^"]+)"', line)
+            what.setdefault(m.group(1), (m.group(2), op.group(1).split("/")[-1] if op else ""))
     ms, module = collections.defaultdict(float), None
     for line in run.stderr.splitlines():
         m = re.search(r"cpu_compiler.cc:\d+\] Compiling: (\S+)", line)
@@ -115,11 +119,26 @@ def kernels(dump: str, loop: bool) -> None:
     for comp, (n, t) in sorted(per.items(), key=lambda x: -x[1][1]):
         print(f"{n:4d} kernels {t:8.1f} ms  {comp}")
     print(f"{len(ms):4d} kernels {sum(ms.values()):8.1f} ms  total")
+    for name, t in sorted(ms.items(), key=lambda x: -x[1])[:top]:
+        shape, op = what.get(name, ("?", "?"))
+        print(f"{t:8.1f} ms  {name}  {shape}  {op}  ({owner.get(name, '?')})")
+
+
+def _cli(args: list[str]) -> tuple[str, bool, int] | None:
+    """(dump dir, --loop, --top N) of `--kernels DIR [--loop] [--top N]`, else None."""
+    if len(args) < 2 or args[0] != "--kernels":
+        return None
+    dump, rest, top = args[1], args[2:], 0
+    loop = rest[:1] == ["--loop"]
+    rest = rest[1:] if loop else rest
+    if rest[:1] == ["--top"] and len(rest) == 2 and rest[1].isdigit():
+        top, rest = int(rest[1]), []
+    return None if rest else (dump, loop, top)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--kernels" and sys.argv[3:] in ([], ["--loop"]):
-        kernels(sys.argv[2], loop=sys.argv[3:] == ["--loop"])
+    if (cli := _cli(sys.argv[1:])) is not None:
+        kernels(cli[0], loop=cli[1], top=cli[2])
     elif len(sys.argv) == 1:
         print(json.dumps(measure()), flush=True)
     else:
