@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.policies._ranked import _INF, slot_stats
+from kvjax.policies._ranked import _INF, reduce_slot_operands, slot_stats
 
 SINKS, DECAY = 4, 0.005
 
@@ -43,17 +43,7 @@ def shared_compare(pos, prio):
         jnp.where(occupied, prio.astype(jnp.float32), _INF),
         idx,
     )
-
-    def combine(a, b):
-        (na, fa, va, ia), (nb, fb, vb, ib) = a, b
-        nan_a, nan_b = jnp.isnan(va), jnp.isnan(vb)
-        a_first = (va < vb) | ((va == vb) & (ia < ib)) | (nan_a & ~nan_b)
-        a_first = a_first | (nan_a & nan_b & (ia < ib))
-        return na + nb, jnp.minimum(fa, fb), jnp.where(a_first, va, vb), jnp.where(a_first, ia, ib)
-
-    init = (jnp.int32(0), jnp.int32(m), jnp.float32(_INF), jnp.int32(m))
-    live, free, low, lowest = jax.lax.reduce(operands, init, combine, (pos.ndim - 1,))
-    return live, jnp.where(free == m, 0, free), low, lowest
+    return reduce_slot_operands(operands, m)
 
 
 FORMS = {

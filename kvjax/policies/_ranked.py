@@ -519,6 +519,14 @@ def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
         jnp.where(pos >= 0, prio.astype(jnp.float32), _INF),
         idx,
     )
+    return reduce_slot_operands(operands, m)
+
+
+def reduce_slot_operands(operands: tuple[Array, ...], m: int):
+    """`slot_stats`' reduction over the last axis of its four operands [..., M]: per slot 1 if
+    occupied (else 0), its index if empty (else >= m), its priority (+inf if empty) and its
+    index. Returns (live, first free or 0, lowest priority, its slot: the first on ties, a NaN
+    before any number)."""
 
     def combine(a, b):
         (na, fa, va, ia), (nb, fb, vb, ib) = a, b
@@ -533,7 +541,8 @@ def slot_stats(pos: Array, prio: Array) -> tuple[Array, Array, Array, Array]:
         )
 
     init = (jnp.int32(0), jnp.int32(m), jnp.float32(_INF), jnp.int32(m))
-    live, free, low, lowest = jax.lax.reduce(operands, init, combine, (pos.ndim - 1,))
+    axis = operands[0].ndim - 1
+    live, free, low, lowest = jax.lax.reduce(operands, init, combine, (axis,))
     return live, jnp.where(free == m, 0, free), low, lowest
 
 
