@@ -232,10 +232,11 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
                     **knobs,
                 )  # fmt: skip
                 return out(da.combine_triton(p.out, p.lse, g)[0])
-            elif bits is None:
+            elif bits is None:  # (the join reads the padded rows in place)
                 p = da.decode_attention_triton(
-                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
-                )
+                    grouped(q), tier, q_pos, scale=scale, return_logits=logits, padded=join,
+                    **knobs,
+                )  # fmt: skip
             else:
                 p = da.decode_attention_lowbit_triton(
                     grouped(q), tier, q_pos, bits=bits, scale=scale, return_logits=logits,

@@ -9,6 +9,7 @@ takes "+"-separated ints, lowbit_int8_qk_bits=4+2): an A/B of a default inside t
 whole step. STACKED=1 profiles the layer-scan step (`--scan-layers`: stacked cache and params)
 instead of the unrolled one, e.g. to see where batch 1's scanned step loses its time.
 POLICY_SET="group=64,lowbit_layout=kernel" sets policy hyperparameters (as `--set`).
+HLO=FILE writes the compiled step's optimized HLO there (what each traced kernel fuses).
 """
 
 import dataclasses
@@ -65,6 +66,10 @@ def main() -> None:
         cache, params = stack_cache(cache), stack_params(params, cfg)
     tok = jnp.zeros((batch,), jnp.int32)
     step = lambda s: _decode(cfg, pol, STEPS, "pallas", params, *s)
+    if os.environ.get("HLO"):
+        lowered = _decode.lower(cfg, pol, STEPS, "pallas", params, cache, tok)
+        with open(os.environ["HLO"], "w") as f:
+            f.write(lowered.compile().as_text())
     state, sec = second_call_seconds(step, (cache, tok))
     print(
         f"{pos[1]} {layers} layers B={batch} {'scan ' if stacked else ''}{knobs}: "

@@ -121,6 +121,17 @@ def attend_pallas(
             lowbit = LowBitTier(
                 src.k, src.v, src.k_scale, src.k_zero, src.v_scale, src.v_zero, src.pos, extent
             )
+    tune = tuning_for()
+    joined = (
+        seq_axis is None
+        and backend != "tpu"
+        and tune.join_new_token
+        and (backend is None or join_applies(qg) is None)
+        # An INT8 tier read as value words returns its channels permuted, a transpose XLA
+        # fuses into its own merge but copies for the join's (5.8 us a layer: confkv's step
+        # 10.30 -> 10.45 ms with the join, H100, docs/lab/2026-12-07-h100-join.md).
+        and not (int8 is not None and tune.int8_v_words)
+    )
     parts = decode_partials(
         qg,
         qp,
@@ -133,14 +144,14 @@ def attend_pallas(
         return_logits=need_mass,
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
         layer=stacked.index if stacked is not None else None,
+        padded=joined,  # the join reads the real rows in place
     )
     logits = tuple(p.logits for p in parts) if need_mass else ()
-    joined = (
-        seq_axis is None
-        and backend != "tpu"
-        and tuning_for().join_new_token
-        and (backend is None or join_applies(qg) is None)
-    )
+    splits = tuple(p.out.shape[2] for p in parts)
+    if joined and backend is not None and join_applies(qg, splits) is not None:
+        joined = False  # too many splits for its registers: XLA's combine instead
+        g = qg.shape[2]
+        parts = [p._replace(out=p.out[:, :, :, :g], lse=p.lse[..., :g]) for p in parts]
     if joined:  # the partials and the step's own token merged in one launch
         out, lse, w_new = join_new_token(
             parts, qg, k_new[:, 0], v_new[:, 0], new_valid[:, 0], scale=scale,

@@ -108,6 +108,7 @@ def decode_partials(
     block_k: int | None = None,
     num_splits: int | None = None,
     layer: Array | None = None,
+    padded: bool = False,
 ) -> list[Partials]:
     """Each tier's split partials (full, then INT8, then low-bit), not yet combined: what
     `decode_attention` combines, and what `join_new_token` merges with a step's own token.
@@ -132,6 +133,10 @@ def decode_partials(
             extent the layer's; a per-layer low-bit tier is read as given. A token-major stack
             of 2-4 GiB of codes, which the Triton kernel cannot index (`overflowing_codes`), is
             read as the layer's slice (a copy of it).
+        padded: the Triton dense kernels' out and lse keep their padded query rows
+            [.., Gp >= G, ..] (the padding never written): for `join_new_token`, which reads
+            the G real rows in place where a slice would be copied first. Other kernels' stay
+            at G rows.
 
     A ChannelMajorLowBitTier as `lowbit` (`to_channel_major`) runs the Mosaic GPU low-bit kernel
     (`decode_attention_lowbit_mgpu`, GPU backends only; its logits as the others').
@@ -183,7 +188,7 @@ def decode_partials(
         raise ValueError(f"decode attention: int8 must be an Int8Tier, got {type(int8).__name__}")
     knobs = dict(scale=scale, return_logits=return_logits, interpret=interpret)
     if backend != "tpu":
-        dense = functools.partial(_gpu_dense, dense, backend=backend)
+        dense = functools.partial(_gpu_dense, dense, backend=backend, padded=padded)
     tiling = dict(block_k=block_k, num_splits=num_splits)
     if layer is not None:  # a stacked dense tier
         tiling["layer"] = layer
@@ -241,7 +246,7 @@ def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:
     return tier._replace(**{f: take(a) for f, a in tier._asdict().items() if f != "extent"})
 
 
-def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, **kw):
+def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, padded=False, **kw):
     """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
     device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton (always
     for a stacked tier, `layer`). "full-tm" in the Tuning's mgpu_tiers runs a bfloat16 full
@@ -261,11 +266,11 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
         if _mgpu_tm.mgpu_tm_applies(view, q) is None:
             return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
     if layer is not None:
-        return triton_fn(q, tier, q_pos, layer, block_k=block_k, **kw)
+        return triton_fn(q, tier, q_pos, layer, block_k=block_k, padded=padded, **kw)
     check_query(q, q_pos)
     check_dense(tier, q)
     name = "int8" if isinstance(tier, Int8Tier) else "full"
     wanted = backend == "mosaic" or name in tune.mgpu_tiers
     if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
         return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
-    return triton_fn(q, tier, q_pos, block_k=block_k, **kw)
+    return triton_fn(q, tier, q_pos, block_k=block_k, padded=padded, **kw)

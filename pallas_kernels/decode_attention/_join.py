@@ -2,11 +2,18 @@
 
 A decode step attends the cache through one kernel per tier, each returning split partials
 (out, lse); the step's own key and value are not in the cache yet. `join_new_token` computes
-the new token's logit, merges every split of every tier and the new token by one online
-log-sum-exp over the splits, and writes the output in q's dtype, the final lse and the new
-token's weight: one launch per layer where XLA ran several small fusions (the partials' max
-and sum over the splits, the new token's dot, the merge and the cast). Pallas, lowered through
-Triton on GPU (G and D powers of two); the interpreter elsewhere (CPU tests).
+the new token's logit, merges every split of every tier and the new token by one log-sum-exp
+over the splits, and writes the output in q's dtype, the final lse and the new token's weight:
+one launch per layer where XLA ran four small fusions (the partials' max and sum over the
+splits, the new token's dot, the merge and the cast).
+
+One program per (sequence, KV head, query head, chunk of DC channels), as `combine_triton`:
+it loads each tier's S log-sum-exps and [S, DC] partial outputs of its query head at once (one
+trip to memory, no loop over the splits), so a layer's join is B·Hkv·G programs, not B·Hkv
+walking the splits in turn. The partials may keep the attention kernels' padded query rows
+(R >= G, `decode_partials(padded=True)`): only the G real rows are read, and no slice of them
+is copied first. Pallas, lowered through Triton on GPU (D a power of two); the interpreter
+elsewhere (CPU tests).
 """
 
 from __future__ import annotations
@@ -16,80 +23,70 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kvjax.pallas_kernels.decode_attention._tiers import Partials
 
 Array = jax.Array
-_NEG = -1e30  # running-max floor: never inf - inf
+MAX_TILE = 8192  # elements of a program's [S, DC] tiles of partial outputs, all tiers (registers)
 
 
-def join_applies(q: Array) -> str | None:
-    """Why the compiled (Triton) join cannot run for q [B, Hkv, G, D] (None if it can)."""
-    g, d = q.shape[2:]
-    if g & (g - 1) or d & (d - 1):
-        return f"G={g}, D={d} (the Triton lowering needs powers of two)"
+def join_applies(q: Array, splits: Sequence[int] = ()) -> str | None:
+    """Why the compiled (Triton) join cannot run for q [B, Hkv, G, D] and tiers of `splits`
+    splits each (None if it can)."""
+    d = q.shape[3]
+    if d & (d - 1) or d < 16:
+        return f"D={d} (the Triton lowering needs a power of two, at least 16)"
+    if sum(pl.next_power_of_2(s) for s in splits) * 16 > MAX_TILE:
+        return f"{'+'.join(map(str, splits))} splits (at most {MAX_TILE // 16} in all)"
     return None
 
 
-def _chunk(splits: int, g: int, d: int) -> int:
-    """Splits a loop step of the join reads at once: a power of two with at most 4096 floats
-    of partial outputs (32 a thread of 4 warps), at most 8, at most `splits`."""
-    c = 1
-    while c < 8 and 2 * c <= splits and 2 * c * g * d <= 4096:
-        c *= 2
-    return c
+def _chunk(splits: Sequence[int], d: int) -> int:
+    """DC: the most channels a program takes with its tiles [S_i (each padded to 2^k), DC]
+    summing to at most MAX_TILE elements."""
+    rows = sum(pl.next_power_of_2(s) for s in splits)
+    return min(d, max(16, pl.next_power_of_2(MAX_TILE // rows + 1) // 2))
 
 
-def _over_splits(parts, fn, carry):
-    """carry = fn(rows, carry) over every tier's splits, `rows` a static or dynamic slice of a
-    chunk of them: full chunks in a loop, the remainder one split at a time."""
-    for out_ref, lse_ref in parts:
-        s, g, d = out_ref.shape
-        c = _chunk(s, g, d)
-        full = s // c
-        if full:
-
-            def step(i, cr, out_ref=out_ref, lse_ref=lse_ref, c=c):
-                return fn(out_ref, lse_ref, pl.ds(i * c, c), cr)
-
-            carry = lax.fori_loop(0, full, step, carry)
-        for r in range(full * c, s):
-            carry = fn(out_ref, lse_ref, pl.ds(r, 1), carry)
-    return carry
-
-
-def _kernel(*refs, tiers: int, scale: float):
+def _kernel(*refs, splits: tuple[int, ...], chunks: int, scale: float):
+    tiers = len(splits)
     parts = list(zip(refs[: 2 * tiers : 2], refs[1 : 2 * tiers : 2], strict=True))
     q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, wnew_ref = refs[2 * tiers :]
-    q = q_ref[...].astype(jnp.float32)  # [G, D]
+    # part refs: out [S, R, D], lse [S, R] of one sequence and KV head; q_ref [D] (query head
+    # g), k_ref [D], v_ref [DC]; o_ref [DC]; lse_ref, wnew_ref [1]
+    g = pl.program_id(2) // chunks
+    c = pl.program_id(2) % chunks
+    dc = o_ref.shape[0]
     valid = valid_ref[0] != 0
-    s_new = jnp.sum(q * k_ref[...].astype(jnp.float32)[None, :], axis=1) * scale  # [G]
+    s_new = jnp.sum(q_ref[...].astype(jnp.float32) * k_ref[...].astype(jnp.float32)) * scale
     s_new = jnp.where(valid, s_new, -jnp.inf)
-    g, d = q.shape
-    ok = jnp.broadcast_to(valid, (g,))
-    # Two passes with no chain of rescales between the splits: their max, then their sum.
-    # lse is -inf where a split saw nothing.
-    m = _over_splits(
-        parts, lambda o, lse, rows, m: jnp.maximum(m, lse[rows, :].max(axis=0)),
-        jnp.maximum(s_new, _NEG),
-    )  # fmt: skip
-
-    def add(out_in, lse_in, rows, carry):
-        den, acc = carry
-        w = jnp.exp(lse_in[rows, :] - m[None, :])  # [C, G]
-        return den + w.sum(axis=0), acc + (w[:, :, None] * out_in[rows, :, :]).sum(axis=0)
-
-    w_own = jnp.where(ok, jnp.exp(s_new - m), jnp.zeros((g,), jnp.float32))
-    vb = jnp.broadcast_to(v_ref[...].astype(jnp.float32)[None, :], (g, d))
-    den, acc = _over_splits(parts, add, (w_own, w_own[:, None] * vb))
+    # Every load first (none waits on another's reductions): one trip to memory.
+    tiles = []
+    for (out_ref, lse_ref_in), s in zip(parts, splits, strict=True):
+        sp = pl.next_power_of_2(s)
+        live = jax.lax.broadcasted_iota(jnp.int32, (sp,), 0) < s
+        rows = pl.ds(0, sp)
+        part = plgpu.load(out_ref.at[rows, g, pl.ds(c * dc, dc)], mask=live[:, None], other=0.0)
+        lse = plgpu.load(lse_ref_in.at[rows, g], mask=live, other=-jnp.inf)
+        tiles.append((part, lse))
+    m = s_new
+    for _, lse in tiles:
+        m = jnp.maximum(m, jnp.max(lse))
+    m = jnp.where(m > -jnp.inf, m, 0.0)  # -inf splits and an invalid new token weigh 0
+    w_own = jnp.where(valid, jnp.exp(s_new - m), 0.0)
+    den = w_own
+    acc = w_own * v_ref[...].astype(jnp.float32)
+    for part, lse in tiles:
+        w = jnp.exp(lse - m)
+        den = den + jnp.sum(w)
+        acc = acc + jnp.sum(w[:, None] * part, axis=0)
     has = den > 0
     lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
-    o_ref[...] = (acc / jnp.where(has, den, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = lse
-    w_new = jnp.exp(s_new - jnp.where(has, lse, 0.0))
-    wnew_ref[...] = jnp.where(ok & has, w_new, jnp.zeros((g,), jnp.float32))
+    o_ref[...] = (acc / jnp.where(has, den, 1.0)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.full((1,), lse)
+    wnew_ref[...] = jnp.full((1,), jnp.where(has, w_own / jnp.where(has, den, 1.0), 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -106,7 +103,9 @@ def join_new_token(
     """Every tier's split partials and the step's own token, merged in one launch.
 
     Args:
-        parts: each tier's Partials (out [B, Hkv, S_i, G, D] float32, lse [B, Hkv, S_i, G]).
+        parts: each tier's Partials (out [B, Hkv, S_i, R_i, D] float32, lse [B, Hkv, S_i,
+            R_i], R_i >= G rows of which the first G are the query heads: the padding rows of
+            `decode_partials(padded=True)` are never read).
         q: [B, Hkv, G, D] queries grouped by KV head.
         k_new, v_new: [B, Hkv, D] this step's key and value.
         valid: [B] bool, the new token is real (else it is not attended).
@@ -125,40 +124,53 @@ def join_new_token(
         )
     if valid.shape != (b,):
         raise ValueError(f"join_new_token: valid must be [B]={(b,)}, got {valid.shape}")
-    if not interpret and (why := join_applies(q)):
+    if not parts:
+        raise ValueError("join_new_token: no partials given (at least one tier's)")
+    for p in parts:
+        o = p.out.shape
+        if len(o) != 5 or o[:2] != (b, hkv) or o[3] < g or o[4] != d or p.lse.shape != o[:4]:
+            raise ValueError(
+                f"join_new_token: partials out {o} / lse {p.lse.shape} do not fit q {q.shape} "
+                "(out [B, Hkv, S, R >= G, D], lse [B, Hkv, S, R])"
+            )
+    splits = tuple(p.out.shape[2] for p in parts)
+    if not interpret and (why := join_applies(q, splits)):
         raise ValueError(f"join_new_token: unsupported {why}")
+    dc = _chunk(splits, d)
+    chunks = d // dc
     arrays, specs = [], []
     for p in parts:
-        if p.out.shape[:2] != (b, hkv) or p.out.shape[3:] != (g, d):
-            raise ValueError(f"join_new_token: partials out {p.out.shape} do not fit q {q.shape}")
-        s = p.out.shape[2]
+        s, r = p.out.shape[2:4]
         arrays += [p.out.astype(jnp.float32), p.lse.astype(jnp.float32)]
         specs += [
-            pl.BlockSpec((None, None, s, g, d), lambda i, j: (i, j, 0, 0, 0)),
-            pl.BlockSpec((None, None, s, g), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, s, r, d), lambda i, j, k: (i, j, 0, 0, 0)),
+            pl.BlockSpec((None, None, s, r), lambda i, j, k: (i, j, 0, 0)),
         ]
     arrays += [q, k_new, v_new, valid.astype(jnp.int32)]
     specs += [
-        pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
-        pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0)),
-        pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0)),
-        pl.BlockSpec((1,), lambda i, j: (i,)),
+        pl.BlockSpec((None, None, None, d), lambda i, j, k: (i, j, k // chunks, 0)),
+        pl.BlockSpec((None, None, d), lambda i, j, k: (i, j, 0)),
+        pl.BlockSpec((None, None, dc), lambda i, j, k: (i, j, k % chunks)),
+        pl.BlockSpec((1,), lambda i, j, k: (i,)),
     ]
     f32 = jnp.float32
-    return pl.pallas_call(
-        functools.partial(_kernel, tiers=len(parts), scale=scale),
-        grid=(b, hkv),
+    row = lambda i, j, k: (i, j, k // chunks, k % chunks)
+    o, lse, w_new = pl.pallas_call(
+        functools.partial(_kernel, splits=splits, chunks=chunks, scale=scale),
+        grid=(b, hkv, g * chunks),
         in_specs=specs,
         out_specs=[
-            pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, g), lambda i, j: (i, j, 0)),
-            pl.BlockSpec((None, None, g), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, None, None, dc), row),
+            pl.BlockSpec((None, None, None, 1), row),
+            pl.BlockSpec((None, None, None, 1), row),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),
-            jax.ShapeDtypeStruct((b, hkv, g), f32),
-            jax.ShapeDtypeStruct((b, hkv, g), f32),
+            jax.ShapeDtypeStruct((b, hkv, g, chunks), f32),
+            jax.ShapeDtypeStruct((b, hkv, g, chunks), f32),
         ],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kvjax_decode_join",
     )(*arrays)
+    return o, lse[..., 0], w_new[..., 0]

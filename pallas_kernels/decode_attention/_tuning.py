@@ -189,6 +189,11 @@ _HOPPER = Tuning(
     # 71.0 / 127.6 / 236.1 us, INT4 words 81.9 / 151.5 / 288.5 -> 79.4 / 145.8 / 278.5 (H100,
     # 2026-12-06; docs/lab/2026-12-06-h100-words-default.md).
     mgpu_lowbit_subnormal=(2, 4),
+    # A step's tier partials and its own token in one launch, one program a query head (2.8 us
+    # a layer where XLA's four fusions took 9.5): B = 8, 32K, layer scan, two interleaved pairs,
+    # full 17.88 / 17.87 -> 17.77 / 17.76 ms, window 8.75 / 8.75 -> 8.65 / 8.64, kvpop 8.85 /
+    # 8.87 -> 8.76 / 8.76 (H100, 2026-12-07; docs/lab/2026-12-07-h100-join.md).
+    join_new_token=True,
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,

@@ -49,7 +49,8 @@ def _layer(seed: int, b=2, h=2, c=21, cq=19, pages=3, page=4, d=16, bits=2) -> L
 @pytest.mark.parametrize(
     "tiers, ratio, joined",
     [(t, r, False) for t in ("fp", "fp+int8", "fp+int8+lowbit") for r in (1, 3)]
-    + [("fp+int8+lowbit", 1, True), ("fp+int8+lowbit", 3, True)],
+    + [("fp", 3, True), ("fp+int8", 1, True), ("fp+int8+lowbit", 1, True),
+       ("fp+int8+lowbit", 3, True)],
     ids=lambda x: {False: "xla-merge", True: "join-kernel"}.get(x, str(x)) if isinstance(x, bool)
     else str(x),
 )  # fmt: skip
@@ -139,3 +140,27 @@ def test_generate_with_pallas_equals_xla(tiny_llama, case):
     np.testing.assert_array_equal(np.asarray(out["pallas"].tokens), np.asarray(out["xla"].tokens))
     tier = 1 if case == "confkv-int8" else 2  # the quantized tier was attended
     assert np.max(np.asarray(out["xla"].telemetry.live_slots)[..., tier]) > 0
+
+
+@pytest.mark.parametrize("tiers", ["fp", "fp+int8", "fp+int8+lowbit"])
+def test_join_runs_unless_an_int8_tier_returns_permuted_channels(tiers, monkeypatch):
+    """With the Tuning's join on, a step's merge is the one-launch join, except where an INT8
+    tier is read as value words (its partials' channels come permuted, a transpose the join
+    would copy): XLA merges those."""
+    kind = jax.devices()[0].device_kind
+    for v_words in (False, True):
+        tune = dataclasses.replace(tuning_for(), join_new_token=True, int8_v_words=v_words)
+        monkeypatch.setitem(TUNINGS, kind, tune)
+        layer = _layer(4)
+        if "lowbit" not in tiers:
+            layer = layer.replace(lowbit=None)
+        if "int8" not in tiers:
+            layer = layer.replace(int8=None)
+        b, h, d = 2, 2, 16
+        q = jnp.ones((b, 1, h * 2, d), jnp.float32)
+        kv = jnp.ones((b, 1, h, d), jnp.float32)
+        args = (q, layer, kv, kv, jnp.array([[40], [55]], jnp.int32), jnp.ones((b, 1), bool))
+        fn = lambda *a: attend(*a, implementation="pallas")
+        text = str(jax.make_jaxpr(fn)(*args))
+        joined = "kvjax_decode_join" in text
+        assert joined == (not (v_words and "int8" in tiers)), (tiers, v_words)

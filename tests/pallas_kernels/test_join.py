@@ -15,15 +15,24 @@ from kvjax.eval._kernel_ir import export_cuda
 from kvjax.pallas_kernels.decode_attention import Partials, join_applies, join_new_token
 
 
-def _parts(rng, b, h, g, d, splits):
+def _parts(rng, b, h, g, d, splits, pad=0):
+    """Random partials; `pad` more query rows after the G real ones, NaN (never to be read)."""
     parts = []
     for s in splits:
         out = rng.standard_normal((b, h, s, g, d)).astype(np.float32)
         lse = (3 * rng.standard_normal((b, h, s, g))).astype(np.float32)
         lse[rng.random(lse.shape) < 0.3] = -np.inf  # splits that saw nothing
         out[np.isneginf(lse)] = 0.0
+        if pad:
+            out = np.concatenate([out, np.full((b, h, s, pad, d), np.nan, np.float32)], 3)
+            lse = np.concatenate([lse, np.full((b, h, s, pad), np.nan, np.float32)], 3)
         parts.append(Partials(jnp.asarray(out), jnp.asarray(lse), None))
     return parts
+
+
+def _real(parts, g):
+    """The G real query rows of padded partials (what the float64 merge takes)."""
+    return [p._replace(out=p.out[:, :, :, :g], lse=p.lse[..., :g]) for p in parts]
 
 
 def _merge64(parts, q, k, v, valid, scale):
@@ -46,14 +55,15 @@ def _merge64(parts, q, k, v, valid, scale):
 
 
 @pytest.mark.parametrize(
-    "g, d, splits, dtype",
-    [(4, 16, (3,), jnp.float32), (3, 8, (2, 5), jnp.float32), (1, 16, (1, 4, 2), jnp.bfloat16),
-     (4, 128, (19, 1), jnp.float32)],  # 19 splits: two chunks of 8, three one by one
+    "g, d, splits, dtype, pad",
+    [(4, 16, (3,), jnp.float32, 0), (3, 8, (2, 5), jnp.float32, 13),
+     (1, 16, (1, 4, 2), jnp.bfloat16, 15), (4, 128, (19, 1), jnp.float32, 12),
+     (4, 128, (300,), jnp.float32, 0)],  # 300 splits: channel chunks of 16
 )  # fmt: skip
-def test_join_matches_float64(g, d, splits, dtype):
+def test_join_matches_float64(g, d, splits, dtype, pad):
     rng = np.random.default_rng(g * 100 + d + len(splits))
     b, h = 3, 2
-    parts = _parts(rng, b, h, g, d, splits)
+    parts = _parts(rng, b, h, g, d, splits, pad)
     q = jnp.asarray(rng.standard_normal((b, h, g, d)), dtype)
     k = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
     v = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
@@ -61,7 +71,7 @@ def test_join_matches_float64(g, d, splits, dtype):
     # sequence 2 sees nothing in the cache: only its own token
     parts = [p._replace(out=p.out.at[2].set(0.0), lse=p.lse.at[2].set(-jnp.inf)) for p in parts]
     out, lse, w_new = join_new_token(parts, q, k, v, valid, scale=0.3, interpret=True)
-    want_out, want_lse, want_w = _merge64(parts, q, k, v, valid, 0.3)
+    want_out, want_lse, want_w = _merge64(_real(parts, g), q, k, v, valid, 0.3)
     assert out.dtype == dtype and out.shape == (b, h, g, d)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=tol, rtol=tol)
@@ -91,18 +101,26 @@ def test_bad_input_gets_one_clear_error():
         run(parts, q, kv[:, :1], kv, jnp.ones((2,), bool))
     with pytest.raises(ValueError, match="valid must be"):
         run(parts, q, kv, kv, jnp.ones((2, 1), bool))
-    with pytest.raises(ValueError, match="do not fit q"):
-        run(parts, q[:, :, :2], kv, kv, jnp.ones((2,), bool))
-    with pytest.raises(ValueError, match="powers of two"):
-        join_new_token(parts, q[:, :, :3], kv, kv, jnp.ones((2,), bool), scale=1.0)
-    assert join_applies(q) is None and "G=3" in join_applies(q[:, :, :3])
+    with pytest.raises(ValueError, match="do not fit q"):  # fewer rows than query heads
+        run(parts, jnp.ones((2, 2, 5, 8), jnp.float32), kv, kv, jnp.ones((2,), bool))
+    with pytest.raises(ValueError, match="do not fit q"):  # lse not [B, Hkv, S, R]
+        run([parts[0]._replace(lse=parts[0].lse[..., :2])], q, kv, kv, jnp.ones((2,), bool))
+    with pytest.raises(ValueError, match="no partials"):
+        run([], q, kv, kv, jnp.ones((2,), bool))
+    with pytest.raises(ValueError, match="power of two"):  # the compiled join: D=8 < 16
+        join_new_token(parts, q, kv, kv, jnp.ones((2,), bool), scale=1.0)
+    q16 = jnp.ones((2, 2, 3, 16), jnp.float32)
+    assert join_applies(q16) is None and "D=8" in join_applies(q)  # any G, D a power of 2
+    assert join_applies(q16, (256, 256)) is None and "512+1 splits" in join_applies(q16, (512, 1))
 
 
 def test_join_lowers_for_h200_through_triton():
     b, h, g, d = 8, 8, 4, 128
     sds = jax.ShapeDtypeStruct
-    parts = [Partials(sds((b, h, s, g, d), jnp.float32), sds((b, h, s, g), jnp.float32), None)
-             for s in (6, 3)]  # fmt: skip
+    parts = [
+        Partials(sds((b, h, s, 16, d), jnp.float32), sds((b, h, s, 16), jnp.float32), None)
+        for s in (6, 3)
+    ]  # fmt: skip  (padded to the Triton kernel's 16 query rows)
     fn = functools.partial(join_new_token, scale=0.1)
     kv = sds((b, h, d), jnp.bfloat16)
     text = export_cuda(fn, parts, sds((b, h, g, d), jnp.bfloat16), kv, kv, sds((b,), jnp.bool_))
@@ -114,12 +132,12 @@ def test_join_compiled_matches_float64():
         pytest.skip("the compiled (Triton) join needs a GPU; the interpreter cases cover CPU")
     rng = np.random.default_rng(7)
     b, h, g, d = 4, 8, 4, 128
-    parts = _parts(rng, b, h, g, d, (6, 3, 35))
+    parts = _parts(rng, b, h, g, d, (6, 3, 35), pad=12)
     q = jnp.asarray(rng.standard_normal((b, h, g, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16) for _ in "kv")
     valid = jnp.array([True, False, True, True])
     out, lse, w_new = join_new_token(parts, q, k, v, valid, scale=0.1)
-    want_out, want_lse, want_w = _merge64(parts, q, k, v, valid, 0.1)
+    want_out, want_lse, want_w = _merge64(_real(parts, g), q, k, v, valid, 0.1)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(w_new), want_w, atol=1e-5)
