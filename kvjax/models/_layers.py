@@ -18,11 +18,12 @@ def _expand(w: Array, like: Array) -> Array:
     return w.astype(jnp.float32).reshape((1,) * (like.ndim - 1) + w.shape)
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm computed in float32, returned in x's dtype. x: [..., E], weight: [E]."""
+def rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
+    """RMSNorm computed in float32, returned in x's dtype. x: [..., E], weight: [E], or None
+    where it is folded into the next projection's weights (`fuse_projections`)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * _expand(weight, y)).astype(x.dtype)
+    return (y if weight is None else y * _expand(weight, y)).astype(x.dtype)
 
 
 def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:

@@ -16,9 +16,10 @@ Array = jax.Array
 @struct.dataclass
 class LlamaLayer:
     """One Llama block's weights. Fused (`fuse_projections`): `wqkv` and `w_gate_up` hold the
-    projections that share an input, and wq, wk, wv, w_gate, w_up are None."""
+    projections that share an input, each row scaled by its RMSNorm weight, and wq, wk, wv,
+    w_gate, w_up, attn_norm and mlp_norm are None."""
 
-    attn_norm: Array  # [E]
+    attn_norm: Array | None  # [E] (None: folded into wqkv)
     wq: Array | None  # [E, Hq*D]
     wk: Array | None  # [E, Hkv*D]
     wv: Array | None  # [E, Hkv*D]
@@ -26,7 +27,7 @@ class LlamaLayer:
     bq: Array | None  # [Hq*D] (Qwen2) or None
     bk: Array | None  # [Hkv*D]
     bv: Array | None  # [Hkv*D]
-    mlp_norm: Array  # [E]
+    mlp_norm: Array | None  # [E] (None: folded into w_gate_up)
     w_gate: Array | None  # [E, F]
     w_up: Array | None  # [E, F]
     w_down: Array  # [F, E]
@@ -178,6 +179,11 @@ def fuse_projections(layer: LlamaLayer, config: ModelConfig) -> LlamaLayer:
     than three (or two) small ones. The columns are grouped so that a split of the fused
     axis into equal parts (a model-parallel mesh) keeps each KV head's q, k and v together and
     each gate column beside its up column.
+
+    Each fused weight's rows are also scaled by the RMSNorm weight of its input (attn_norm for
+    wqkv, mlp_norm for w_gate_up; rounded once to the weights' dtype), which then become None:
+    RMSNorm(x)·g @ W == (x / rms(x)) @ (diag(g) W). In a layer scan each stacked norm weight
+    was a dynamic slice that the GPU copies on its own, one 1.7 µs launch a layer and step.
     """
     if layer.wqkv is not None:
         return layer
@@ -190,6 +196,13 @@ def fuse_projections(layer: LlamaLayer, config: ModelConfig) -> LlamaLayer:
     qkv = jnp.concatenate([q, k, v], axis=-2).reshape(*lead, hkv * (g + 2) * d)
     gate_up = jnp.stack([layer.w_gate, layer.w_up], axis=-1)
     gate_up = gate_up.reshape(*gate_up.shape[:-2], -1)
+    qkv, gate_up = _scale_rows(qkv, layer.attn_norm), _scale_rows(gate_up, layer.mlp_norm)
     return layer.replace(
-        wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=qkv, w_gate_up=gate_up
-    )
+        wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=qkv, w_gate_up=gate_up,
+        attn_norm=None, mlp_norm=None,
+    )  # fmt: skip
+
+
+def _scale_rows(w: Array, g: Array) -> Array:
+    """w [(L,) E, N] with row e scaled by g [(L,) E] (in float32, back in w's dtype)."""
+    return (w.astype(jnp.float32) * g.astype(jnp.float32)[..., :, None]).astype(w.dtype)
