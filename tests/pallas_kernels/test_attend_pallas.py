@@ -75,13 +75,17 @@ def test_pallas_equals_xla_with_stats(tiers, ratio, joined, monkeypatch):
     args = (q, layer, k_new, v_new, q_pos, valid)
     want_out, want = attend(*args, query_weight=weight, implementation="xla")
     got_out, got = attend(*args, query_weight=weight, implementation="pallas")
-    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=2e-5, rtol=2e-5)
+    # Compiled on a GPU the kernels' float32 dots run on the tensor cores as TF32 (10-bit
+    # mantissa): there both sides differ by ~4e-4 (seen at G = 3 on an H100, merged by XLA or
+    # by the join alike); the interpreter (CPU) computes in full float32.
+    tol = 2e-5 if jax.default_backend() == "cpu" else 2e-3
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=tol, rtol=tol)
     for field in ("slot_mass", "new_mass", "lse", "int8_mass", "lowbit_mass"):
         w, g = getattr(want, field), getattr(got, field)
         assert (w is None) == (g is None), field
         if w is not None:
             assert g.shape == w.shape, field
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, err_msg=field)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol, err_msg=field)
 
 
 def test_pallas_without_mass_gives_the_same_output_and_zero_mass():
