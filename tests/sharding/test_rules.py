@@ -9,7 +9,7 @@ from policy_cases import NAMES
 from sharding_cases import CONFIG8, MESHES, mesh
 
 from kvjax.generate import GenerateConfig, cache_spec_for, generate, new_cache
-from kvjax.models import SMOLLM2_135M, TINY_GPT2, init_params
+from kvjax.models import SMOLLM2_135M, TINY_GPT2, fuse_projections, init_params
 from kvjax.sharding import (
     CONTEXT_PARALLEL,
     TENSOR_PARALLEL,
@@ -58,6 +58,23 @@ def test_megatron_split_of_a_llama_layer():
     assert spec(layer.w_gate) == spec(layer.w_up) == (None, "model")
     assert spec(layer.w_down) == ("model", None)
     assert spec(sh.embed) == ("model", None) and spec(layer.attn_norm, 1) == (None,)
+
+
+def test_fused_llama_params_are_named_and_split():
+    """Fused layers (`fuse_projections`): q|k|v and gate|up weights, the norm weights folded
+    into them (None, so nothing to name), still split by heads and MLP columns."""
+    layout = _layout(CONFIG8, mesh("2x4"))
+
+    def fused():
+        p = init_params(CONFIG8, jax.random.key(0))
+        return p.replace(layers=tuple(fuse_projections(lp, CONFIG8) for lp in p.layers))
+
+    params = jax.eval_shape(fused)
+    layer = param_shardings(params, layout).layers[0]
+    assert params.layers[0].attn_norm is None and params.layers[0].mlp_norm is None
+    spec = lambda s: tuple(s.spec) + (None,) * (2 - len(s.spec))
+    assert spec(layer.wqkv) == spec(layer.w_gate_up) == (None, "model")
+    assert spec(layer.w_down) == ("model", None)
 
 
 def test_unknown_param_field_is_an_error():
