@@ -11,6 +11,7 @@ query head's S log-sum-exps and its [S, DC] partial outputs at once.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +23,25 @@ Array = jax.Array
 MAX_TILE = 8192  # elements of a program's [S, DC] tile of partial outputs (registers)
 
 
+def tile_rows(splits: Sequence[int]) -> int:
+    """Rows of a program's tiles of partial outputs: each tier's S splits padded to 2^k."""
+    return sum(pl.next_power_of_2(s) for s in splits)
+
+
+def channel_chunk(splits: Sequence[int], d: int) -> int:
+    """DC: the most channels (a power of two, at least 16, at most d) a program takes with its
+    tiles [S_i (each padded to 2^k), DC] summing to at most MAX_TILE elements (also
+    `join_new_token`'s)."""
+    return min(d, max(16, pl.next_power_of_2(MAX_TILE // tile_rows(splits) + 1) // 2))
+
+
 def combine_applies(splits: int, d: int) -> str | None:
     """Why `combine_triton` cannot combine S = `splits` partials of head dim d (None if it can)."""
     if d & (d - 1) or d < 16:
         return f"head dim {d} (needs a power of 2, at least 16)"
-    if pl.next_power_of_2(splits) * 16 > MAX_TILE:
+    if tile_rows((splits,)) * 16 > MAX_TILE:
         return f"{splits} splits (at most {MAX_TILE // 16})"
     return None
-
-
-def _chunk(splits: int, d: int) -> int:
-    """DC: the most channels a program takes with its [S (padded to 2^k), DC] tile ≤ MAX_TILE."""
-    return min(d, max(16, MAX_TILE // pl.next_power_of_2(splits)))
 
 
 def _kernel(out_ref, lse_ref, o_ref, l_ref, *, splits: int, chunks: int):
@@ -83,7 +91,7 @@ def combine_triton(out: Array, lse: Array, group: int, interpret: bool = False):
     why = combine_applies(splits, d)
     if why:
         raise ValueError(f"combine_triton: unsupported {why}")
-    dc = _chunk(splits, d)
+    dc = channel_chunk((splits,), d)
     chunks = d // dc
     o, l = pl.pallas_call(
         functools.partial(_kernel, splits=splits, chunks=chunks),

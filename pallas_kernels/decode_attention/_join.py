@@ -26,10 +26,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.pallas_kernels.decode_attention._combine_triton import (
+    MAX_TILE,
+    channel_chunk,
+    tile_rows,
+)
 from kvjax.pallas_kernels.decode_attention._tiers import Partials
 
 Array = jax.Array
-MAX_TILE = 8192  # elements of a program's [S, DC] tiles of partial outputs, all tiers (registers)
 
 
 def join_applies(q: Array, splits: Sequence[int] = ()) -> str | None:
@@ -38,16 +42,9 @@ def join_applies(q: Array, splits: Sequence[int] = ()) -> str | None:
     d = q.shape[3]
     if d & (d - 1) or d < 16:
         return f"D={d} (the Triton lowering needs a power of two, at least 16)"
-    if sum(pl.next_power_of_2(s) for s in splits) * 16 > MAX_TILE:
+    if tile_rows(splits) * 16 > MAX_TILE:
         return f"{'+'.join(map(str, splits))} splits (at most {MAX_TILE // 16} in all)"
     return None
-
-
-def _chunk(splits: Sequence[int], d: int) -> int:
-    """DC: the most channels a program takes with its tiles [S_i (each padded to 2^k), DC]
-    summing to at most MAX_TILE elements."""
-    rows = sum(pl.next_power_of_2(s) for s in splits)
-    return min(d, max(16, pl.next_power_of_2(MAX_TILE // rows + 1) // 2))
 
 
 def _kernel(*refs, splits: tuple[int, ...], chunks: int, scale: float):
@@ -136,7 +133,7 @@ def join_new_token(
     splits = tuple(p.out.shape[2] for p in parts)
     if not interpret and (why := join_applies(q, splits)):
         raise ValueError(f"join_new_token: unsupported {why}")
-    dc = _chunk(splits, d)
+    dc = channel_chunk(splits, d)
     chunks = d // dc
     arrays, specs = [], []
     for p in parts:
