@@ -47,6 +47,7 @@ ROWS = (
     "mgpu-int4-codes-auto+logits", "mgpu-int2-codes-auto+logits",
     "mgpu-int4-words", "mgpu-int2-words", "mgpu-int4-words+logits", "mgpu-int2-words+logits",
     "mgpu-tm-bf16", "mgpu-tm-bf16+logits", "pallas-bf16-join", "mgpu-tm-bf16-join",
+    "pallas-int8+logits", "mgpu-tm-int8", "mgpu-tm-int8+logits", "mgpu-tm-int8-join",
 )  # fmt: skip
 
 
@@ -73,7 +74,7 @@ class KernelBench:
 
 
 def _int8_row(row: str) -> bool:
-    return row in ("pallas-int8", "pallas-int8-fc")
+    return row in ("pallas-int8", "pallas-int8-fc", "pallas-int8+logits")
 
 
 def _lowbit_row(row: str) -> bool:
@@ -85,7 +86,7 @@ def _mgpu_row(row: str) -> bool:
 
 
 def _mgpu_lowbit_row(row: str) -> bool:
-    return row.startswith("mgpu-int") and row != "mgpu-int8"
+    return row.startswith(("mgpu-int4", "mgpu-int2"))
 
 
 _MGPU_LOWBIT = (_mgpu_lowbit_row, "Mosaic GPU low-bit")
@@ -338,6 +339,11 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         "mgpu-tm-bf16+logits": full(logits=True, tm=True),
         "pallas-bf16-join": full(join=True),
         "mgpu-tm-bf16-join": full(tm=True, join=True),
+        # the INT8 tier as a decode step of confkv reads it: with the per-slot logits
+        "pallas-int8+logits": int8_tier(logits=True),
+        "mgpu-tm-int8": int8_tier(tm=True),
+        "mgpu-tm-int8+logits": int8_tier(logits=True, tm=True),
+        "mgpu-tm-int8-join": int8_tier(tm=True, join=True),
     }
     for bits in (4, 2):
         cases[f"pallas-int{bits}"] = functools.partial(lowbit, bits, False)

@@ -33,6 +33,7 @@ from kvjax.pallas_kernels.decode_attention import (
     default_backend,
     join_applies,
     join_new_token,
+    slots_on_m,
     tuning_for,
 )
 from kvjax.sharding import Axis, Layout, Names, layer_names
@@ -43,6 +44,11 @@ Array = jax.Array
 def _visible(pos: Array, q_pos: Array) -> Array:
     """pos [B, Hkv, N], q_pos [B] → [B, Hkv, N] bool."""
     return (pos >= 0) & (pos <= q_pos[:, None, None])
+
+
+def _index(stacked: StackedLayer | None) -> Array | None:
+    """The layer a stacked tier is read at in place (None: the layer's own arrays)."""
+    return stacked.index if stacked is not None else None
 
 
 def attend_pallas(
@@ -127,10 +133,13 @@ def attend_pallas(
         and backend != "tpu"
         and tune.join_new_token
         and (backend is None or join_applies(qg) is None)
-        # An INT8 tier read as value words returns its channels permuted, a transpose XLA
-        # fuses into its own merge but copies for the join's (5.8 us a layer: confkv's step
-        # 10.30 -> 10.45 ms with the join, H100, docs/lab/2026-12-07-h100-join.md).
-        and not (int8 is not None and tune.int8_v_words)
+        # An INT8 tier read by the Triton kernel as value words returns its channels
+        # permuted, a transpose XLA fuses into its own merge but copies for the join's (5.8 us
+        # a layer: confkv's step 10.30 -> 10.45 ms with the join, H100,
+        # docs/lab/2026-12-07-h100-join.md); the slots-on-M kernel returns them in order.
+        and not (
+            int8 is not None and tune.int8_v_words and not slots_on_m(qg, int8, qp, _index(stacked))
+        )
     )
     parts = decode_partials(
         qg,
@@ -143,7 +152,7 @@ def attend_pallas(
         backend=backend or "triton",
         return_logits=need_mass,
         interpret=backend is None,  # CPU: the Pallas interpreter (tests)
-        layer=stacked.index if stacked is not None else None,
+        layer=_index(stacked),
         padded=joined,  # the join reads the real rows in place
     )
     logits = tuple(p.logits for p in parts) if need_mass else ()

@@ -17,6 +17,7 @@ from kvjax.pallas_kernels.decode_attention._api import (
     decode_attention,
     decode_partials,
     default_backend,
+    slots_on_m,
 )
 from kvjax.pallas_kernels.decode_attention._channel_major import PAGE as MGPU_LOWBIT_PAGE
 from kvjax.pallas_kernels.decode_attention._channel_major import to_channel_major
@@ -64,6 +65,7 @@ __all__ = [
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
     "decode_attention_mgpu_tm",
+    "slots_on_m",
     "decode_attention_pooled_triton",
     "decode_attention_reference",
     "decode_attention_tpu",

@@ -246,25 +246,39 @@ def _layer_of(tier: LowBitTier, layer: Array) -> LowBitTier:
     return tier._replace(**{f: take(a) for f, a in tier._asdict().items() if f != "extent"})
 
 
+def slots_on_m(q: Array, tier, q_pos: Array, layer: Array | None = None) -> bool:
+    """Whether `decode_partials` reads this dense tier (one layer, or a stack at `layer`) on
+    the GPU through the slots-on-M Mosaic GPU kernel (`decode_attention_mgpu_tm`): its name
+    ("full-tm" for a FullTier, "int8-tm" for an Int8Tier) in the device Tuning's mgpu_tiers,
+    and the kernel applies (`mgpu_tm_applies`). q and the tier are checked first."""
+    from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+
+    name = {FullTier: "full-tm", Int8Tier: "int8-tm"}.get(type(tier))
+    if name is None or name not in tuning_for().mgpu_tiers:
+        return False
+    from kvjax.pallas_kernels.decode_attention import _mgpu_tm
+    from kvjax.pallas_kernels.decode_attention._validate import layer_view
+
+    view = tier if layer is None else layer_view(tier, layer)
+    check_query(q, q_pos)
+    check_dense(view, q)
+    return _mgpu_tm.mgpu_tm_applies(view, q) is None
+
+
 def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, padded=False, **kw):
     """A dense tier on the GPU: the Mosaic GPU kernel where `backend` (or, for "triton", the
     device's Tuning.mgpu_tiers) asks for it and it applies to the tier, else Triton (always
-    for a stacked tier, `layer`). "full-tm" in the Tuning's mgpu_tiers runs a bfloat16 full
-    tier, one layer or a stack read in place, through the slots-on-M kernel
-    (`decode_attention_mgpu_tm`) first."""
+    for a stacked tier, `layer`). "full-tm" / "int8-tm" in the Tuning's mgpu_tiers runs a
+    bfloat16 full tier / an INT8 tier, one layer or a stack read in place, through the
+    slots-on-M kernel (`decode_attention_mgpu_tm`) first (`slots_on_m`)."""
     from kvjax.pallas_kernels.decode_attention import _mgpu
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
-    tune = tuning_for()
-    if isinstance(tier, FullTier) and "full-tm" in tune.mgpu_tiers:  # slots on M, if it fits
+    if slots_on_m(q, tier, q_pos, layer):  # checks q and the tier
         from kvjax.pallas_kernels.decode_attention import _mgpu_tm
-        from kvjax.pallas_kernels.decode_attention._validate import layer_view
 
-        check_query(q, q_pos)
-        view = tier if layer is None else layer_view(tier, layer)
-        check_dense(view, q)
-        if _mgpu_tm.mgpu_tm_applies(view, q) is None:
-            return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
+        return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
+    tune = tuning_for()
     if layer is not None:
         return triton_fn(q, tier, q_pos, layer, block_k=block_k, padded=padded, **kw)
     check_query(q, q_pos)

@@ -1,5 +1,5 @@
-"""Decode attention over the full-precision (bfloat16) tier with tokens on the wgmma M axis:
-Pallas Mosaic GPU (Hopper, `plgpu`).
+"""Decode attention over the full-precision (bfloat16) or the INT8 tier with tokens on the wgmma
+M axis: Pallas Mosaic GPU (Hopper, `plgpu`).
 
 The dense counterpart of the low-bit kernel (`_mgpu_lowbit.py`): one CTA (one warpgroup) per
 (sequence, KV head, split) walks its split's 64-slot blocks, and every operand of both dots
@@ -16,6 +16,20 @@ Nothing is padded to 64 query rows (the `_mgpu.py` kernels put the query heads o
 values and positions stream by TMA `stages` blocks ahead, each block's three copies arriving on
 one barrier. Needs bfloat16 q, keys and values, D a multiple of 64, G ≤ 16 and a capacity that
 is a multiple of 64.
+
+The INT8 tier (`Int8Tier`: int8 codes, one float32 scale a token) takes the same walk:
+
+- QK is an int8 × int8 → int32 dot, the block's key codes as TMA wrote them (A) against q
+  quantized per query head once per call (B, `quantize_q`); q's scale, the logit scale and
+  each slot's key scale multiply the int32 logits.
+- Each slot's value scale multiplies its probability; the value codes are converted to
+  bfloat16 into one shared-memory tile (8-bit operands must be K-major, V^T is not), the PV
+  dot's A operand read transposed as the dense kernel's.
+- Any capacity of at least 64 slots: the last block starts at C − 64 (its rows before
+  64·i were the previous block's: not attended again, their logits written again with the
+  same values). The per-slot arrays (positions, scales) are read from global memory one block
+  ahead into registers, not by TMA: a row of C four-byte values needs C a multiple of 4 to be a
+  TMA operand, which the policies' INT8 capacities are not.
 """
 
 from __future__ import annotations
@@ -28,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
-from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Partials
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, quantize_q, smem_tile
+from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query, layer_view
@@ -40,19 +54,55 @@ COLS = 16  # most query heads per KV head (the dots' N; 8 when G <= 8)
 _NEG = -1e30
 
 
-def mgpu_tm_applies(tier: FullTier, q: Array) -> str | None:
-    """Why the tokens-on-M Mosaic GPU dense kernel cannot run this (validated) tier (None if
-    it can)."""
+def mgpu_tm_applies(tier: FullTier | Int8Tier, q: Array) -> str | None:
+    """Why the tokens-on-M Mosaic GPU kernel cannot run this (validated) tier (None if it
+    can): a bfloat16 full tier of a capacity that is a multiple of 64, or an INT8 tier of at
+    least 64 slots; bfloat16 q, D a multiple of 64, G ≤ 16 either way."""
     cap, d = tier.k.shape[2:]
-    if q.dtype != jnp.bfloat16 or tier.k.dtype != jnp.bfloat16:
-        return f"q {q.dtype} and keys {tier.k.dtype} (needs bfloat16 for both)"
+    quantized = isinstance(tier, Int8Tier)
+    if q.dtype != jnp.bfloat16 or (not quantized and tier.k.dtype != jnp.bfloat16):
+        keys = "int8 codes" if quantized else f"keys {tier.k.dtype}"
+        return f"q {q.dtype} and {keys} (needs a bfloat16 q and bfloat16 or INT8 keys)"
     if d % 64:
         return f"head dim {d} (needs a multiple of 64)"
     if q.shape[2] > COLS:
         return f"{q.shape[2]} query heads per KV head (at most {COLS})"
-    if cap % BLOCK:
+    if quantized and cap < BLOCK:
+        return f"capacity {cap} (the INT8 tier needs at least {BLOCK} slots)"
+    if not quantized and cap % BLOCK:
         return f"capacity {cap} (needs a multiple of {BLOCK})"
     return None
+
+
+def _online_softmax(s: Array, m: Array, l: Array) -> tuple[Array, Array, Array, Array]:
+    """One block's logits s [64, N] into the running max m [N] and the denominator tile l
+    [64, N]: (p [64, N], m_new, l_new, the accumulator's rescale [N])."""
+    m_new = jnp.maximum(m, s.max(axis=0))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+    return p, m_new, l * lax.broadcast_in_dim(corr, s.shape, [1]) + p, corr
+
+
+def _init_carry(d: int, cols: int) -> tuple[Array, Array, Array]:
+    """(out^T accumulator [D, N], running max [N], denominator tile [64, N]) at the start."""
+    col = plgpu.Layout.WGMMA.reduce(0)
+    return (
+        plgpu.layout_cast(jnp.zeros((d, cols), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((cols,), _NEG, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros((BLOCK, cols), jnp.float32), plgpu.Layout.WGMMA),
+    )
+
+
+def _finish(acc, m, l, o_ref, lse_ref, lse_smem, at) -> None:
+    """The split's out^T and log-sum-exp (-inf where nothing was seen) to global memory."""
+    l = l.sum(axis=0)
+    has = l > 0
+    safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), acc.shape, [1])
+    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    o_ref[at] = acc / safe
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[at])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(
@@ -87,7 +137,6 @@ def _kernel(
     per = lax.div(blocks + num_splits - 1, num_splits)
     first = split * per
     last = jnp.minimum(first + per, blocks)
-    col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
@@ -121,10 +170,7 @@ def _kernel(
         s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s * scale, -jnp.inf)
         if logits_ref is not None:  # the block's scaled logits, [64 slots, N]
             logits_ref[b, h, pl.ds(i * BLOCK, BLOCK)] = s
-        m_new = jnp.maximum(m, s.max(axis=0))
-        corr = lax.broadcast_in_dim(jnp.exp(m - m_new), s.shape, [1])
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-        l = l * corr + p
+        p, m_new, l, corr = _online_softmax(s, m, l)
         p_smem.T[...] = p.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
@@ -136,23 +182,107 @@ def _kernel(
         # The block is read (by the dots and the position load): refill its slot.
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
-        corr_d = lax.broadcast_in_dim(jnp.exp(m - m_new), part.shape, [1])
-        return acc * corr_d + part, m_new, l
+        return acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part, m_new, l
 
-    init = (
-        plgpu.layout_cast(jnp.zeros((d, cols), jnp.float32), plgpu.Layout.WGMMA),
-        plgpu.layout_cast(jnp.full((cols,), _NEG, jnp.float32), col),
-        plgpu.layout_cast(jnp.zeros((BLOCK, cols), jnp.float32), plgpu.Layout.WGMMA),
-    )
-    acc, m, l = lax.fori_loop(first, last, step, init)
-    l = l.sum(axis=0)
-    has = l > 0
-    safe = lax.broadcast_in_dim(jnp.where(has, l, 1.0), (d, cols), [1])
-    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    o_ref[b, h, split] = acc / safe
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
-    plgpu.wait_smem_to_gmem(0)
+    acc, m, l = lax.fori_loop(first, last, step, _init_carry(d, cols))
+    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, split))
+
+
+def _kernel_int8(
+    layer_ref,  # [1] int32: the layer of the stacked arrays below (0 for one layer)
+    extent_ref,  # [B, Hkv] int32
+    qpos_ref,  # [B] int32
+    q_ref,  # [B, Hkv, N, D] int8: q's codes per query head, rows >= G zero
+    k_ref,  # [L, B, Hkv, C, D] int8
+    v_ref,  # [L, B, Hkv, C, D] int8
+    pos_ref,  # [L, B, Hkv, C] int32
+    ks_ref,  # [L, B, Hkv, C] f32
+    vs_ref,  # [L, B, Hkv, C] f32
+    qs_ref,  # [B, Hkv, N] f32: q's scale times the logit scale
+    o_ref,  # [B, Hkv, S, D, N] f32: out^T
+    lse_ref,  # [B, Hkv, S, N] f32
+    *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D] int8;
+    # k_smem, v_smem [stages, 64, D] int8; vc_smem [64, D] bf16 (the block's values converted);
+    # p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; the barriers (q; one per stage)
+    stages: int,
+    num_splits: int,
+    return_logits: bool,
+):
+    logits_ref = refs[0] if return_logits else None
+    q_smem, k_smem, v_smem, vc_smem, p_smem, lse_smem, q_bar, bars = refs[
+        1 if return_logits else 0 :
+    ]
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    lay = layer_ref[0]
+    cap = k_ref.shape[3]
+    cols, d = q_ref.shape[2:]
+    extent = jnp.minimum(extent_ref[b, h], cap)
+    qpos = qpos_ref[b]
+    blocks = lax.div(extent + BLOCK - 1, BLOCK)
+    per = lax.div(blocks + num_splits - 1, num_splits)
+    first = split * per
+    last = jnp.minimum(first + per, blocks)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
+    row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
+    start = lambda i: jnp.minimum(i * BLOCK, cap - BLOCK)  # the last block ends at C
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+
+    def issue(i, slot, when):
+        @pl.when(when)
+        def _():
+            at = (lay, b, h, pl.ds(start(i), BLOCK))
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], bars.at[slot])
+
+    def slot_rows(i):  # block i's positions and scales, from global memory
+        at = (lay, b, h, pl.ds(start(i), BLOCK))
+        return tuple(plgpu.load(r.at[at], layout=row, optimized=False)
+                     for r in (pos_ref, ks_ref, vs_ref))  # fmt: skip
+
+    for j in range(stages):
+        issue(first + j, j, first + j < last)
+    qs = plgpu.load(qs_ref.at[b, h], layout=col, optimized=False)
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def step(i, carry):
+        acc, m, l, (pos, ks, vs) = carry
+        ahead = slot_rows(jnp.minimum(i + 1, last - 1))  # in flight during this block
+        slot = lax.rem(i - first, stages)
+        plgpu.barrier_wait(bars.at[slot])
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.T)
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, cols), jnp.int32))
+        vc_smem[...] = v_smem[slot].astype(jnp.bfloat16)
+        # The slot's codes are read (the QK dot, the conversion): refill it.
+        plgpu.commit_smem()
+        issue(i + stages, slot, i + stages < last)
+        s = s.astype(jnp.float32) * lax.broadcast_in_dim(qs, s.shape, [1])
+        s = s * lax.broadcast_in_dim(ks, s.shape, [0])
+        idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+        seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
+        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+        if logits_ref is not None:  # the block's scaled logits, [64 slots, N]
+            logits_ref[b, h, pl.ds(start(i), BLOCK)] = s
+        fresh = lax.broadcast_in_dim(idx >= i * BLOCK, s.shape, [0])  # not the block before's
+        p, m_new, l, corr = _online_softmax(jnp.where(fresh, s, -jnp.inf), m, l)
+        p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+
+        def pv(o_ref_):
+            plgpu.wgmma(o_ref_, vc_smem.T, p_smem.T)
+            return o_ref_[...]
+
+        part = pl.run_scoped(pv, plgpu.ACC((d, cols), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part
+        return acc, m_new, l, ahead
+
+    init = (*_init_carry(d, cols), slot_rows(jnp.clip(first, 0, jnp.maximum(blocks - 1, 0))))
+    acc, m, l, _ = lax.fori_loop(first, last, step, init)
+    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, split))
 
 
 @functools.partial(
@@ -160,7 +290,7 @@ def _kernel(
 )
 def decode_attention_mgpu_tm(
     q: Array,
-    tier: FullTier,
+    tier: FullTier | Int8Tier,
     q_pos: Array,
     *,
     scale: float,
@@ -170,11 +300,13 @@ def decode_attention_mgpu_tm(
     interpret: bool = False,
     layer: Array | None = None,
 ) -> Partials:
-    """One decode query per sequence attending a bfloat16 full tier (Mosaic GPU, slots on M).
+    """One decode query per sequence attending a bfloat16 full tier or an INT8 tier (Mosaic
+    GPU, slots on M).
 
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
-        tier: FullTier of bfloat16 keys and values, capacity a multiple of 64.
+        tier: FullTier of bfloat16 keys and values, capacity a multiple of 64; or Int8Tier of
+            any capacity >= 64 (QK an int8 dot on q quantized per query head).
         q_pos: [B] int32 query positions.
         scale: logit scale.
         num_splits: splits per (sequence, KV head); default fills the chip.
@@ -182,7 +314,7 @@ def decode_attention_mgpu_tm(
         return_logits: also return the scaled logits of every slot, [B, Hkv, G, C] (slots at
             or past the extent undefined, as the other kernels').
         interpret: run in the Mosaic GPU interpreter (CPU tests).
-        layer: None, or an int32 scalar: the tier's k, v and pos are then stacks [L, ...] of a
+        layer: None, or an int32 scalar: the tier's slot arrays are then stacks [L, ...] of a
             stacked cache, read at this layer in place (no slice of the stack is copied);
             `extent` is the layer's own [B, Hkv].
 
@@ -191,11 +323,11 @@ def decode_attention_mgpu_tm(
         logits [B, Hkv, G, C].
     """
     check_query(q, q_pos)
-    if not isinstance(tier, FullTier):
+    if not isinstance(tier, FullTier | Int8Tier):
         check_dense(tier, q)  # raises: names what was given
-        raise ValueError(f"decode attention (Mosaic GPU, slots on M): needs a FullTier, got "
-                         f"{type(tier).__name__}")  # fmt: skip
-    data = (tier.k, tier.v, tier.pos)
+    quantized = isinstance(tier, Int8Tier)
+    fields = ("k", "v", "pos", "k_scale", "v_scale") if quantized else ("k", "v", "pos")
+    data = tuple(getattr(tier, f) for f in fields)
     if layer is not None:  # checked as one layer of the stack
         view = layer_view(tier, layer)
         lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
@@ -209,11 +341,11 @@ def decode_attention_mgpu_tm(
     b, hkv, group, d = q.shape
     cap = view.k.shape[2]
     tune = tuning_for()
-    blocks = cap // BLOCK
+    blocks = -(-cap // BLOCK)
     stages = max(1, min(stages or tune.mgpu_tm_stages, blocks))
     splits = num_splits or _num_splits(b, hkv, blocks, tune.mgpu_target_programs)
     cols = 8 if group <= 8 else COLS
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))  # [B, Hkv, N, D]
+    pad = ((0, 0), (0, 0), (0, cols - group))
     f32 = jnp.float32
     out_type = [
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
@@ -221,27 +353,33 @@ def decode_attention_mgpu_tm(
     ]
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, cap, cols), f32))
+    if quantized:
+        q8, qs = quantize_q(q)
+        arrays = (jnp.pad(q8, (*pad, (0, 0))), *data, jnp.pad(qs * scale, pad))
+        kdt, kernel = jnp.int8, functools.partial(_kernel_int8)
+        name = "kvjax_decode_int8_mgpu_tm"
+    else:
+        arrays = (jnp.pad(q, (*pad, (0, 0))), *data)  # [B, Hkv, N, D]
+        kdt, kernel = jnp.bfloat16, functools.partial(_kernel, scale=scale)
+        name = "kvjax_decode_bf16_mgpu_tm"
     scratch = [
-        smem_tile((cols, d), jnp.bfloat16),
-        smem_tile((stages, BLOCK, d), jnp.bfloat16),
-        smem_tile((stages, BLOCK, d), jnp.bfloat16),
-        plgpu.SMEM((stages, BLOCK), jnp.int32),
+        smem_tile((cols, d), kdt),
+        smem_tile((stages, BLOCK, d), kdt),
+        smem_tile((stages, BLOCK, d), kdt),
+    ]
+    if quantized:  # the block's values converted; positions and scales come by registers
+        scratch.append(smem_tile((BLOCK, d), jnp.bfloat16))
+    else:
+        scratch.append(plgpu.SMEM((stages, BLOCK), jnp.int32))
+    scratch += [
         smem_tile((cols, BLOCK), jnp.bfloat16),
         plgpu.SMEM((cols,), f32),
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2 if quantized else 3, num_barriers=stages),
     ]
-    body = functools.partial(
-        _kernel,
-        scale=scale,
-        stages=stages,
-        num_splits=splits,
-        return_logits=return_logits,
-    )
-    launch = decode_grid(
-        body, out_type, scratch, (b, hkv, splits), "kvjax_decode_bf16_mgpu_tm", interpret
-    )
-    o, lse, *lg = launch(lay, tier.extent, q_pos, qp, *data)
+    body = functools.partial(kernel, stages=stages, num_splits=splits, return_logits=return_logits)
+    launch = decode_grid(body, out_type, scratch, (b, hkv, splits), name, interpret)
+    o, lse, *lg = launch(lay, tier.extent, q_pos, *arrays)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]

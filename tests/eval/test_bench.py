@@ -101,6 +101,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
     rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes", "mgpu-int4-codes-auto+logits")
     rows += ("mgpu-tm-bf16", "pallas-bf16-fc", "pallas-int8-fc", "pallas-int2+logits")
+    rows += ("mgpu-tm-int8+logits", "pallas-int8+logits")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -135,6 +136,9 @@ def test_bench_kernel_rows_bytes_and_errors():
     # The fused combine reads the same tier (the partials are not counted in any row).
     assert res["pallas-bf16-fc"].bytes_read == bf16 + 2 * 64 * 4
     assert res["pallas-int8-fc"].bytes_read == bf16 // 2 + 2 * 64 * (4 + 4 + 4)
+    # the INT8 tier read with logits, by Triton and by the slots-on-M Mosaic GPU kernel
+    assert res["mgpu-tm-int8+logits"].bytes_read == res["pallas-int8-fc"].bytes_read
+    assert res["pallas-int8+logits"].bytes_read == res["pallas-int8-fc"].bytes_read
     # The pool holds the same slots: K/V, then an int32 position and owner id per slot.
     assert res["pallas-bf16-pooled"].bytes_read == bf16 + 2 * (2 * 64 * 4)
     # The Mosaic layouts (one 64-token page, value groups of 64): packed bytes or int4 arrays

@@ -168,3 +168,35 @@ def test_join_runs_unless_an_int8_tier_returns_permuted_channels(tiers, monkeypa
         text = str(jax.make_jaxpr(fn)(*args))
         joined = "kvjax_decode_join" in text
         assert joined == (not (v_words and "int8" in tiers)), (tiers, v_words)
+
+
+def test_int8_tier_on_the_slots_on_m_kernel_is_joined_and_equals_xla(monkeypatch):
+    """ "int8-tm" in the Tuning's mgpu_tiers: a bfloat16 step reads its INT8 tier (70 slots, no
+    multiple of 64) through the slots-on-M Mosaic GPU kernel, whose partials keep their
+    channels in order, so the join runs even with value words on; output and masses equal
+    XLA's attention to bfloat16's precision (QK of that tier an int8 dot on q's codes)."""
+    kind = jax.devices()[0].device_kind
+    tune = dataclasses.replace(
+        tuning_for(), join_new_token=True, int8_v_words=True, mgpu_tiers=("int8-tm",)
+    )
+    monkeypatch.setitem(TUNINGS, kind, tune)
+    b, h, d = 2, 2, 64
+    bf = lambda x: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32
+                                else a, x)  # fmt: skip
+    layer = _layer(11, c=21, cq=70, d=d).replace(lowbit=None)
+    layer = layer.replace(k=layer.k.astype(jnp.bfloat16), v=layer.v.astype(jnp.bfloat16))
+    rng = np.random.default_rng(4)
+    q, k_new, v_new = (
+        bf(jnp.asarray(rng.standard_normal((b, 1, n, d)), jnp.float32)) for n in (h * 4, h, h)
+    )
+    args = (q, layer, k_new, v_new, jnp.array([[40], [55]], jnp.int32), jnp.ones((b, 1), bool))
+    fn = lambda *a: attend(*a, implementation="pallas")
+    text = str(jax.make_jaxpr(fn)(*args))
+    assert "kvjax_decode_int8_mgpu_tm" in text and "kvjax_decode_join" in text
+    want_out, want = attend(*args, implementation="xla")
+    got_out, got = fn(*args)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(f32(got_out), f32(want_out), atol=3e-2, rtol=3e-2)
+    for field in ("slot_mass", "new_mass", "int8_mass"):
+        np.testing.assert_allclose(f32(getattr(got, field)), f32(getattr(want, field)),
+                                   atol=1e-2, err_msg=field)  # fmt: skip

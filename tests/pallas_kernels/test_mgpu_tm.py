@@ -1,9 +1,10 @@
-"""The Mosaic GPU dense kernel with slots on the wgmma M axis (`decode_attention_mgpu_tm`)
-against the float64 oracle, compiled on a GPU and interpreted on CPU, lowered for an H200, and
-its input checks.
+"""The Mosaic GPU kernel with slots on the wgmma M axis (`decode_attention_mgpu_tm`), over a
+bfloat16 full tier and over an INT8 tier, against the float64 oracle, compiled on a GPU and
+interpreted on CPU, lowered for an H200, and its input checks.
 
 Slots have holes, one head's extent stops inside a block, sequence 1 has half its positions in
-its future (the `decode_cases` tiers).
+its future (the `decode_cases` tiers); the INT8 tiers' capacities are mostly no multiple of 64
+(nor of 4).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decode_cases import Case, make_tiers, oracle
+from decode_cases import Case, make_tiers, oracle, stack_layers
 
 from kvjax.eval._kernel_ir import H200
-from kvjax.pallas_kernels.decode_attention import FullTier, combine, decode_attention_mgpu_tm
+from kvjax.pallas_kernels.decode_attention import (
+    FullTier,
+    combine,
+    decode_attention_mgpu_tm,
+)
 
 TOL = 1e-2  # bfloat16 operands
 
@@ -28,6 +33,22 @@ CASES = [
     Case(dtype="bfloat16", tiers="fp", ratio=3, head_dim=128, cap=128),
     Case(dtype="bfloat16", tiers="fp", ratio=16, head_dim=64, cap=256, kv_heads=1),
 ]
+
+
+# INT8 tiers (`make_tiers` gives them cap - 7 slots): one block exactly, 121 and 185 slots (the
+# last block starting at C - 64, inside the block before), 249.
+INT8_CASES = [
+    Case(dtype="bfloat16", tiers="fp+int8", ratio=4, head_dim=128, cap=71),
+    Case(dtype="bfloat16", tiers="fp+int8", ratio=1, head_dim=64, cap=128),
+    Case(dtype="bfloat16", tiers="fp+int8", ratio=3, head_dim=128, cap=192),
+    Case(dtype="bfloat16", tiers="fp+int8", ratio=16, head_dim=64, cap=256, kv_heads=1),
+]
+
+
+def _int8_alone(case: Case, seed: int):
+    """(q, q_pos, Int8Tier, the oracle's (full, int8) tiers: the full tier empty)."""
+    q, q_pos, full, int8, _ = make_tiers(case, seed)
+    return q, q_pos, int8, (full._replace(pos=jnp.full_like(full.pos, -1)), int8)
 
 
 def _seed(*parts) -> int:
@@ -105,6 +126,61 @@ class TestMgpuTm:
         assert np.all(np.asarray(out) == 0)
         assert np.all(np.asarray(lse) == -np.inf)
 
+    @pytest.mark.parametrize("splits", [1, 3])
+    @pytest.mark.parametrize("case", INT8_CASES, ids=_ids)
+    def test_int8_matches_float64(self, case, splits):
+        """QK an int8 dot on q quantized per head (its rounding, ~0.4% of a logit, is the
+        tolerance's share), each slot's scales, the last block overlapping the one before."""
+        q, q_pos, tier, (full, int8) = _int8_alone(case, _seed("int8", case, splits,
+                                                               self.INTERPRET))  # fmt: skip
+        scale = q.shape[-1] ** -0.5
+        res = decode_attention_mgpu_tm(
+            q, tier, q_pos, scale=scale, num_splits=splits, stages=2, return_logits=True,
+            interpret=self.INTERPRET,
+        )  # fmt: skip
+        out, lse = combine([res])
+        want, want_lse, want_logits, seen = oracle(q, q_pos, full, int8, None, None, scale)
+        got = np.asarray(out, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2 * TOL
+        np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
+        vis = np.broadcast_to(seen[1][:, :, None, :], want_logits[1].shape)
+        got_l = np.asarray(res.logits, np.float64)
+        np.testing.assert_allclose(got_l[vis], want_logits[1][vis], atol=0.1, rtol=0.02)
+        inside = np.arange(tier.pos.shape[-1]) < np.asarray(tier.extent)[:, :, None, None]
+        hidden = ~vis & np.broadcast_to(inside, vis.shape)  # read, but not attended
+        assert hidden.any() and np.all(got_l[hidden] == -np.inf)
+
+    def test_int8_stacked_layer_read_in_place_equals_its_slice(self):
+        """layer=: the INT8 tier's k, v, scales and positions as stacks [L, ...], read at the
+        layer in place; bit for bit the one layer's result (outputs and every read logit)."""
+        case = INT8_CASES[2]
+        layers = [_int8_alone(case, _seed("stack8", i, self.INTERPRET)) for i in range(3)]
+        q, q_pos = layers[0][0], layers[0][1]
+        tiers = [t[2] for t in layers]
+        stack = stack_layers(tiers)._replace(extent=tiers[1].extent)
+        run = functools.partial(
+            decode_attention_mgpu_tm, scale=0.1, num_splits=2, stages=2, return_logits=True,
+            interpret=self.INTERPRET,
+        )  # fmt: skip
+        got = run(q, stack, q_pos, layer=jnp.int32(1))
+        want = run(q, tiers[1], q_pos)
+        for g, w in zip(got[:2], want[:2], strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        read = np.arange(got.logits.shape[-1]) < np.asarray(tiers[1].extent)[:, :, None, None]
+        read = np.broadcast_to(read, got.logits.shape)
+        np.testing.assert_array_equal(np.asarray(got.logits)[read], np.asarray(want.logits)[read])
+
+    def test_int8_nothing_visible_gives_zero_and_minus_inf(self):
+        q, q_pos, tier, _ = _int8_alone(INT8_CASES[2], _seed("empty8", self.INTERPRET))
+        tier = tier._replace(pos=jnp.full_like(tier.pos, -1))
+        res = decode_attention_mgpu_tm(
+            q, tier, q_pos, scale=0.1, num_splits=2, interpret=self.INTERPRET
+        )
+        out, lse = combine([res])
+        assert np.all(np.asarray(out) == 0)
+        assert np.all(np.asarray(lse) == -np.inf)
+
 
 class TestMgpuTmInterpret(TestMgpuTm):
     INTERPRET = True
@@ -113,12 +189,17 @@ class TestMgpuTmInterpret(TestMgpuTm):
 def test_unsupported_input_gets_one_clear_error():
     q, q_pos, full, _, _ = make_tiers(CASES[0], 1)
     run = functools.partial(decode_attention_mgpu_tm, scale=0.1, interpret=True)
-    with pytest.raises(ValueError, match="needs bfloat16"):
+    with pytest.raises(ValueError, match="needs a bfloat16 q"):
         run(q.astype(jnp.float16), full._replace(k=full.k.astype(jnp.float16),
             v=full.v.astype(jnp.float16)), q_pos)  # fmt: skip
     with pytest.raises(ValueError, match="capacity 200"):
         cut = lambda a: a[:, :, :200]
         run(q, full._replace(k=cut(full.k), v=cut(full.v), pos=cut(full.pos)), q_pos)
+    q8, qp8, small, _ = _int8_alone(Case("bfloat16", "fp+int8", 4, 128, cap=70), 3)
+    with pytest.raises(ValueError, match="capacity 63 \\(the INT8 tier needs at least 64"):
+        run(q8, small, qp8)
+    with pytest.raises(ValueError, match="needs a bfloat16 q"):
+        run(q8.astype(jnp.float16), _int8_alone(INT8_CASES[0], 3)[2], qp8)
     with pytest.raises(ValueError, match="must be a FullTier"):
         run(q, (full.k, full.v), q_pos)
     with pytest.raises(ValueError, match="query heads per KV head"):
