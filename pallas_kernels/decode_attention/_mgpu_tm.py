@@ -19,17 +19,19 @@ is a multiple of 64.
 
 The INT8 tier (`Int8Tier`: int8 codes, one float32 scale a token) takes the same walk:
 
-- QK is an int8 × int8 → int32 dot, the block's key codes as TMA wrote them (A) against q
-  quantized per query head once per call (B, `quantize_q`); q's scale, the logit scale and
-  each slot's key scale multiply the int32 logits.
+- QK: the block's key codes, loaded from shared memory into registers and converted to
+  bfloat16 (exact), are the A operand against q^T; the logit scale and each slot's key scale
+  multiply S after the dot.
 - Each slot's value scale multiplies its probability; the value codes are converted to
   bfloat16 into one shared-memory tile (8-bit operands must be K-major, V^T is not), the PV
   dot's A operand read transposed as the dense kernel's.
 - Any capacity of at least 64 slots: the last block starts at C − 64 (its rows before
   64·i were the previous block's: not attended again, their logits written again with the
-  same values). The per-slot arrays (positions, scales) are read from global memory one block
-  ahead into registers, not by TMA: a row of C four-byte values needs C a multiple of 4 to be a
-  TMA operand, which the policies' INT8 capacities are not.
+  same values). The codes' shared-memory tiles are therefore untiled (a TMA copy into a
+  tiled buffer needs its first row a multiple of the tile's 8), and the per-slot arrays
+  (positions, scales) are read from global memory one block ahead into registers, not by TMA
+  (a row of C four-byte values needs C a multiple of 4 to be a TMA operand, which the
+  policies' INT8 capacities are not).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, quantize_q, smem_tile
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
@@ -192,26 +194,29 @@ def _kernel_int8(
     layer_ref,  # [1] int32: the layer of the stacked arrays below (0 for one layer)
     extent_ref,  # [B, Hkv] int32
     qpos_ref,  # [B] int32
-    q_ref,  # [B, Hkv, N, D] int8: q's codes per query head, rows >= G zero
+    q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
     k_ref,  # [L, B, Hkv, C, D] int8
     v_ref,  # [L, B, Hkv, C, D] int8
     pos_ref,  # [L, B, Hkv, C] int32
     ks_ref,  # [L, B, Hkv, C] f32
     vs_ref,  # [L, B, Hkv, C] f32
-    qs_ref,  # [B, Hkv, N] f32: q's scale times the logit scale
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
-    *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D] int8;
-    # k_smem, v_smem [stages, 64, D] int8; vc_smem [64, D] bf16 (the block's values converted);
-    # p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; the barriers (q; one per stage)
+    *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D] bf16;
+    # k_smem, v_smem [stages, 64, D] int8 (untiled); vc_smem [64, D] bf16 (the block's values
+    # converted); p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; ka_smem [64, D] bf16 (the
+    # interpreter only: its wgmma reads the converted keys from there); the barriers (q; one
+    # per stage)
+    scale: float,
     stages: int,
     num_splits: int,
     return_logits: bool,
+    interpret: bool,
 ):
     logits_ref = refs[0] if return_logits else None
-    q_smem, k_smem, v_smem, vc_smem, p_smem, lse_smem, q_bar, bars = refs[
-        1 if return_logits else 0 :
-    ]
+    q_smem, k_smem, v_smem, vc_smem, p_smem, lse_smem, *refs = refs[1 if return_logits else 0 :]
+    ka_smem = refs.pop(0) if interpret else None
+    q_bar, bars = refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
     cap = k_ref.shape[3]
@@ -222,7 +227,6 @@ def _kernel_int8(
     per = lax.div(blocks + num_splits - 1, num_splits)
     first = split * per
     last = jnp.minimum(first + per, blocks)
-    col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns of a [64, N] tile
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
     start = lambda i: jnp.minimum(i * BLOCK, cap - BLOCK)  # the last block ends at C
 
@@ -242,7 +246,6 @@ def _kernel_int8(
 
     for j in range(stages):
         issue(first + j, j, first + j < last)
-    qs = plgpu.load(qs_ref.at[b, h], layout=col, optimized=False)
     plgpu.barrier_wait(q_bar.at[0])
 
     def step(i, carry):
@@ -251,17 +254,22 @@ def _kernel_int8(
         slot = lax.rem(i - first, stages)
         plgpu.barrier_wait(bars.at[slot])
 
+        keys = k_smem[slot].astype(jnp.bfloat16)  # [64, D], exact
+        if ka_smem is not None:  # interpreted: the A operand from shared memory
+            ka_smem[...] = keys
+            plgpu.commit_smem()
+            keys = ka_smem
+
         def qk(s_ref):
-            plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.T)
+            plgpu.wgmma(s_ref, keys, q_smem.T)
             return s_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, cols), jnp.int32))
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, cols), jnp.float32))
         vc_smem[...] = v_smem[slot].astype(jnp.bfloat16)
-        # The slot's codes are read (the QK dot, the conversion): refill it.
+        # The slot's codes are read (the key load, the value conversion): refill it.
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
-        s = s.astype(jnp.float32) * lax.broadcast_in_dim(qs, s.shape, [1])
-        s = s * lax.broadcast_in_dim(ks, s.shape, [0])
+        s = s * lax.broadcast_in_dim(ks * scale, s.shape, [0])
         idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
         seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
         s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
@@ -306,7 +314,7 @@ def decode_attention_mgpu_tm(
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
         tier: FullTier of bfloat16 keys and values, capacity a multiple of 64; or Int8Tier of
-            any capacity >= 64 (QK an int8 dot on q quantized per query head).
+            any capacity >= 64.
         q_pos: [B] int32 query positions.
         scale: logit scale.
         num_splits: splits per (sequence, KV head); default fills the chip.
@@ -353,31 +361,27 @@ def decode_attention_mgpu_tm(
     ]
     if return_logits:
         out_type.append(jax.ShapeDtypeStruct((b, hkv, cap, cols), f32))
-    if quantized:
-        q8, qs = quantize_q(q)
-        arrays = (jnp.pad(q8, (*pad, (0, 0))), *data, jnp.pad(qs * scale, pad))
-        kdt, kernel = jnp.int8, functools.partial(_kernel_int8)
+    arrays = (jnp.pad(q, (*pad, (0, 0))), *data)  # q [B, Hkv, N, D]
+    scratch = [smem_tile((cols, d), jnp.bfloat16)]
+    if quantized:  # untiled codes, the block's values converted; no positions by TMA
+        codes = plgpu.SMEM((stages, BLOCK, d), jnp.int8)
+        scratch += [codes, codes, smem_tile((BLOCK, d), jnp.bfloat16)]
+        kernel = functools.partial(_kernel_int8, interpret=interpret)
         name = "kvjax_decode_int8_mgpu_tm"
     else:
-        arrays = (jnp.pad(q, (*pad, (0, 0))), *data)  # [B, Hkv, N, D]
-        kdt, kernel = jnp.bfloat16, functools.partial(_kernel, scale=scale)
-        name = "kvjax_decode_bf16_mgpu_tm"
-    scratch = [
-        smem_tile((cols, d), kdt),
-        smem_tile((stages, BLOCK, d), kdt),
-        smem_tile((stages, BLOCK, d), kdt),
-    ]
-    if quantized:  # the block's values converted; positions and scales come by registers
-        scratch.append(smem_tile((BLOCK, d), jnp.bfloat16))
-    else:
+        scratch += [smem_tile((stages, BLOCK, d), jnp.bfloat16)] * 2
         scratch.append(plgpu.SMEM((stages, BLOCK), jnp.int32))
+        kernel, name = _kernel, "kvjax_decode_bf16_mgpu_tm"
+    scratch += [smem_tile((cols, BLOCK), jnp.bfloat16), plgpu.SMEM((cols,), f32)]
+    if quantized and interpret:
+        scratch.append(smem_tile((BLOCK, d), jnp.bfloat16))
     scratch += [
-        smem_tile((cols, BLOCK), jnp.bfloat16),
-        plgpu.SMEM((cols,), f32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=2 if quantized else 3, num_barriers=stages),
     ]
-    body = functools.partial(kernel, stages=stages, num_splits=splits, return_logits=return_logits)
+    body = functools.partial(
+        kernel, scale=scale, stages=stages, num_splits=splits, return_logits=return_logits
+    )
     launch = decode_grid(body, out_type, scratch, (b, hkv, splits), name, interpret)
     o, lse, *lg = launch(lay, tier.extent, q_pos, *arrays)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]

@@ -174,7 +174,7 @@ def test_int8_tier_on_the_slots_on_m_kernel_is_joined_and_equals_xla(monkeypatch
     """ "int8-tm" in the Tuning's mgpu_tiers: a bfloat16 step reads its INT8 tier (70 slots, no
     multiple of 64) through the slots-on-M Mosaic GPU kernel, whose partials keep their
     channels in order, so the join runs even with value words on; output and masses equal
-    XLA's attention to bfloat16's precision (QK of that tier an int8 dot on q's codes)."""
+    XLA's attention to bfloat16's precision."""
     kind = jax.devices()[0].device_kind
     tune = dataclasses.replace(
         tuning_for(), join_new_token=True, int8_v_words=True, mgpu_tiers=("int8-tm",)

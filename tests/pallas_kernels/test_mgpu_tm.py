@@ -21,6 +21,7 @@ from decode_cases import Case, make_tiers, oracle, stack_layers
 from kvjax.eval._kernel_ir import H200
 from kvjax.pallas_kernels.decode_attention import (
     FullTier,
+    Int8Tier,
     combine,
     decode_attention_mgpu_tm,
 )
@@ -129,8 +130,8 @@ class TestMgpuTm:
     @pytest.mark.parametrize("splits", [1, 3])
     @pytest.mark.parametrize("case", INT8_CASES, ids=_ids)
     def test_int8_matches_float64(self, case, splits):
-        """QK an int8 dot on q quantized per head (its rounding, ~0.4% of a logit, is the
-        tolerance's share), each slot's scales, the last block overlapping the one before."""
+        """Codes converted in the kernel, each slot's key and value scale, the last block
+        overlapping the one before (121 and 185 slots)."""
         q, q_pos, tier, (full, int8) = _int8_alone(case, _seed("int8", case, splits,
                                                                self.INTERPRET))  # fmt: skip
         scale = q.shape[-1] ** -0.5
@@ -142,11 +143,11 @@ class TestMgpuTm:
         want, want_lse, want_logits, seen = oracle(q, q_pos, full, int8, None, None, scale)
         got = np.asarray(out, np.float64)
         assert np.all(np.isfinite(got))
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2 * TOL
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
         np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
         vis = np.broadcast_to(seen[1][:, :, None, :], want_logits[1].shape)
         got_l = np.asarray(res.logits, np.float64)
-        np.testing.assert_allclose(got_l[vis], want_logits[1][vis], atol=0.1, rtol=0.02)
+        np.testing.assert_allclose(got_l[vis], want_logits[1][vis], atol=0.05, rtol=0.02)
         inside = np.arange(tier.pos.shape[-1]) < np.asarray(tier.extent)[:, :, None, None]
         hidden = ~vis & np.broadcast_to(inside, vis.shape)  # read, but not attended
         assert hidden.any() and np.all(got_l[hidden] == -np.inf)
@@ -215,11 +216,17 @@ def test_unsupported_input_gets_one_clear_error():
 
 
 @pytest.mark.parametrize("logits", [False, True])
-def test_kernel_lowers_for_h200(logits):
+@pytest.mark.parametrize("tier", ["bf16", "int8"])
+def test_kernel_lowers_for_h200(logits, tier):
     b, hkv, g, d, cap = 2, 8, 4, 128, 1024
     sds = jax.ShapeDtypeStruct
-    kv = sds((b, hkv, cap, d), jnp.bfloat16)
-    tier = FullTier(kv, kv, sds((b, hkv, cap), jnp.int32), sds((b, hkv), jnp.int32))
+    pos, ext = sds((b, hkv, cap - 7), jnp.int32), sds((b, hkv), jnp.int32)
+    if tier == "int8":  # a capacity no multiple of 64 (nor of 4)
+        kv, sc = sds((b, hkv, cap - 7, d), jnp.int8), sds((b, hkv, cap - 7), jnp.float32)
+        tier = Int8Tier(kv, kv, sc, sc, pos, ext)
+    else:
+        kv = sds((b, hkv, cap, d), jnp.bfloat16)
+        tier = FullTier(kv, kv, sds((b, hkv, cap), jnp.int32), ext)
     fn = functools.partial(decode_attention_mgpu_tm, scale=0.1, num_splits=4, return_logits=logits)
     with jax.sharding.use_abstract_mesh(H200):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(
