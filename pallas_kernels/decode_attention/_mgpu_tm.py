@@ -350,8 +350,10 @@ def decode_attention_mgpu_tm(
     cap = view.k.shape[2]
     tune = tuning_for()
     blocks = -(-cap // BLOCK)
-    stages = max(1, min(stages or tune.mgpu_tm_stages, blocks))
-    splits = num_splits or _num_splits(b, hkv, blocks, tune.mgpu_target_programs)
+    stages = stages or (tune.mgpu_tm_int8_stages if quantized else tune.mgpu_tm_stages)
+    stages = max(1, min(stages, blocks))
+    target = tune.mgpu_tm_int8_target_programs if quantized else tune.mgpu_target_programs
+    splits = num_splits or _num_splits(b, hkv, blocks, target)
     cols = 8 if group <= 8 else COLS
     pad = ((0, 0), (0, 0), (0, cols - group))
     f32 = jnp.float32

@@ -71,6 +71,9 @@ class Tuning:
             inline LOP3 a register (else an AND and an OR).
         mgpu_tm_stages: blocks of 64 slots the tokens-on-M Mosaic GPU dense kernel keeps in
             flight.
+        mgpu_tm_int8_stages: blocks the slots-on-M kernel keeps in flight over an INT8 tier.
+        mgpu_tm_int8_target_programs: CTAs the slots-on-M kernel aims for over an INT8 tier
+            (its int8 tiles and one converted tile: several CTAs a multiprocessor).
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         mgpu_lowbit_target_programs: CTAs the Mosaic GPU low-bit kernel aims for (one wave of
             as many CTAs as its registers let each multiprocessor hold).
@@ -117,6 +120,8 @@ class Tuning:
     # 69.2-73.5 us); B = 8 BF16 equal (H100, 2026-12-06; docs/lab/2026-12-06-h100-words-lop3.md).
     fused_combine: bool = True
     mgpu_tm_stages: int = 4
+    mgpu_tm_int8_stages: int = 2
+    mgpu_tm_int8_target_programs: int = 768
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()
