@@ -85,8 +85,8 @@ class Tuning:
             one kernel launch (`join_new_token`) where it applies, instead of XLA's fusions.
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
             Mosaic GPU kernels on this device (measured faster there); others use Triton.
-            "full-tm": a bfloat16 full tier runs the slots-on-M Mosaic GPU kernel
-            (`decode_attention_mgpu_tm`) where it applies.
+            "full-tm" / "int8-tm": a bfloat16 full tier / an INT8 tier runs the slots-on-M
+            Mosaic GPU kernel (`decode_attention_mgpu_tm`) where it applies.
     """
 
     block_k: int = 64
