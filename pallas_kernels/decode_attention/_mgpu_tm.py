@@ -216,6 +216,8 @@ def _kernel_int8(
     logits_ref = refs[0] if return_logits else None
     q_smem, k_smem, v_smem, vc_smem, p_smem, lse_smem, *refs = refs[1 if return_logits else 0 :]
     ka_smem = refs.pop(0) if interpret else None
+    s_smem = refs.pop(0) if return_logits else None
+    group = logits_ref.shape[2] if return_logits else 0
     q_bar, bars = refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     lay = layer_ref[0]
@@ -273,8 +275,12 @@ def _kernel_int8(
         idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
         seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
         s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
-        if logits_ref is not None:  # the block's scaled logits, [64 slots, N]
-            logits_ref[b, h, pl.ds(start(i), BLOCK)] = s
+        if logits_ref is not None:  # the block's scaled logits, slot-minor [G, 64]
+            s_smem[...] = s
+            plgpu.commit_smem()
+            rows = plgpu.Layout.WG_STRIDED((group, BLOCK), vec_size=1)
+            vals = plgpu.load(s_smem.T.at[pl.ds(0, group)], layout=rows, optimized=False)
+            logits_ref[b, h, :, pl.ds(start(i), BLOCK)] = vals
         fresh = lax.broadcast_in_dim(idx >= i * BLOCK, s.shape, [0])  # not the block before's
         p, m_new, l, corr = _online_softmax(jnp.where(fresh, s, -jnp.inf), m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
@@ -361,8 +367,9 @@ def decode_attention_mgpu_tm(
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
         jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
     ]
-    if return_logits:
-        out_type.append(jax.ShapeDtypeStruct((b, hkv, cap, cols), f32))
+    if return_logits:  # the INT8 kernel's [B, Hkv, G, C], the dense one's [B, Hkv, C, N]
+        shape = (b, hkv, group, cap) if quantized else (b, hkv, cap, cols)
+        out_type.append(jax.ShapeDtypeStruct(shape, f32))
     arrays = (jnp.pad(q, (*pad, (0, 0))), *data)  # q [B, Hkv, N, D]
     scratch = [smem_tile((cols, d), jnp.bfloat16)]
     if quantized:  # untiled codes, the block's values converted; no positions by TMA
@@ -377,6 +384,8 @@ def decode_attention_mgpu_tm(
     scratch += [smem_tile((cols, BLOCK), jnp.bfloat16), plgpu.SMEM((cols,), f32)]
     if quantized and interpret:
         scratch.append(smem_tile((BLOCK, d), jnp.bfloat16))
+    if quantized and return_logits:  # the block's logits on their way to [G, 64] rows
+        scratch.append(plgpu.SMEM((BLOCK, cols), f32))
     scratch += [
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=2 if quantized else 3, num_barriers=stages),
@@ -388,6 +397,8 @@ def decode_attention_mgpu_tm(
     o, lse, *lg = launch(lay, tier.extent, q_pos, *arrays)
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
-    if return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]
+    if return_logits and quantized:
+        logits = lg[0]
+    elif return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]
         logits = jnp.swapaxes(lg[0][..., :group], -1, -2)
     return Partials(out, lse[..., :group], logits)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from decode_cases import Case, make_tiers, oracle, stack_layers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax.eval._kernel_ir import H200
 from kvjax.pallas_kernels.decode_attention import (
@@ -185,6 +187,35 @@ class TestMgpuTm:
 
 class TestMgpuTmInterpret(TestMgpuTm):
     INTERPRET = True
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    cap=st.integers(64, 330),
+    splits=st.integers(1, 4),
+    ratio=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_any_capacity_and_split_count_matches_float64(cap, splits, ratio, seed):
+    """Interpreted: whatever the capacity (the last block starting at C - 64 mostly inside the
+    one before), split count and GQA ratio, the output, lse and every attended slot's logit
+    equal the float64 oracle's, and no slot is counted twice (the lse would grow)."""
+    case = Case(dtype="bfloat16", tiers="fp+int8", ratio=ratio, head_dim=64, cap=cap + 7)
+    q, q_pos, tier, (full, int8) = _int8_alone(case, seed)
+    scale = 0.125
+    res = decode_attention_mgpu_tm(
+        q, tier, q_pos, scale=scale, num_splits=splits, stages=2, return_logits=True,
+        interpret=True,
+    )  # fmt: skip
+    out, lse = combine([res])
+    want, want_lse, want_logits, seen = oracle(q, q_pos, full, int8, None, None, scale)
+    got = np.asarray(out, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=10 * TOL)
+    vis = np.broadcast_to(seen[1][:, :, None, :], want_logits[1].shape)
+    np.testing.assert_allclose(
+        np.asarray(res.logits, np.float64)[vis], want_logits[1][vis], atol=0.05, rtol=0.02
+    )
 
 
 def test_unsupported_input_gets_one_clear_error():
