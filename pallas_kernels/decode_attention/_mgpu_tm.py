@@ -107,6 +107,17 @@ def _finish(acc, m, l, o_ref, lse_ref, lse_smem, at) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+def _split_range(layer_ref, extent_ref, qpos_ref, cap: int, num_splits: int):
+    """This CTA's (b, h, layer, extent, query position, its split's first and last blocks,
+    the head's block count): blocks of 64 slots up to the head's extent, split evenly."""
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    extent = jnp.minimum(extent_ref[b, h], cap)
+    blocks = lax.div(extent + BLOCK - 1, BLOCK)
+    per = lax.div(blocks + num_splits - 1, num_splits)
+    first = split * per
+    return b, h, layer_ref[0], extent, qpos_ref[b], first, jnp.minimum(first + per, blocks), blocks
+
+
 def _kernel(
     layer_ref,  # [1] int32: the layer of the stacked arrays below (0 for one layer)
     extent_ref,  # [B, Hkv] int32
@@ -129,16 +140,11 @@ def _kernel(
     q_smem, k_smem, v_smem, pos_smem, p_smem, lse_smem, q_bar, bars = refs[
         1 if return_logits else 0 :
     ]
-    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    lay = layer_ref[0]
     cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
-    extent = jnp.minimum(extent_ref[b, h], cap)
-    qpos = qpos_ref[b]
-    blocks = lax.div(extent + BLOCK - 1, BLOCK)
-    per = lax.div(blocks + num_splits - 1, num_splits)
-    first = split * per
-    last = jnp.minimum(first + per, blocks)
+    b, h, lay, extent, qpos, first, last, _ = _split_range(
+        layer_ref, extent_ref, qpos_ref, cap, num_splits
+    )
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
@@ -187,7 +193,7 @@ def _kernel(
         return acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part, m_new, l
 
     acc, m, l = lax.fori_loop(first, last, step, _init_carry(d, cols))
-    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, split))
+    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, lax.axis_index("s")))
 
 
 def _kernel_int8(
@@ -202,10 +208,11 @@ def _kernel_int8(
     vs_ref,  # [L, B, Hkv, C] f32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
-    *refs,  # logits [B, Hkv, C, N] f32 (return_logits); then the scratch: q_smem [N, D] bf16;
+    *refs,  # logits [B, Hkv, G, C] f32 (return_logits); then the scratch: q_smem [N, D] bf16;
     # k_smem, v_smem [stages, 64, D] int8 (untiled); vc_smem [64, D] bf16 (the block's values
     # converted); p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; ka_smem [64, D] bf16 (the
-    # interpreter only: its wgmma reads the converted keys from there); the barriers (q; one
+    # interpreter only: its wgmma reads the converted keys from there); s_smem [64, N] f32
+    # (return_logits: the block's logits on their way to [G, 64] rows); the barriers (q; one
     # per stage)
     scale: float,
     stages: int,
@@ -219,16 +226,11 @@ def _kernel_int8(
     s_smem = refs.pop(0) if return_logits else None
     group = logits_ref.shape[2] if return_logits else 0
     q_bar, bars = refs
-    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    lay = layer_ref[0]
     cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
-    extent = jnp.minimum(extent_ref[b, h], cap)
-    qpos = qpos_ref[b]
-    blocks = lax.div(extent + BLOCK - 1, BLOCK)
-    per = lax.div(blocks + num_splits - 1, num_splits)
-    first = split * per
-    last = jnp.minimum(first + per, blocks)
+    b, h, lay, extent, qpos, first, last, blocks = _split_range(
+        layer_ref, extent_ref, qpos_ref, cap, num_splits
+    )
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector along the rows
     start = lambda i: jnp.minimum(i * BLOCK, cap - BLOCK)  # the last block ends at C
 
@@ -296,7 +298,7 @@ def _kernel_int8(
 
     init = (*_init_carry(d, cols), slot_rows(jnp.clip(first, 0, jnp.maximum(blocks - 1, 0))))
     acc, m, l, _ = lax.fori_loop(first, last, step, init)
-    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, split))
+    _finish(acc, m, l, o_ref, lse_ref, lse_smem, (b, h, lax.axis_index("s")))
 
 
 @functools.partial(

@@ -97,14 +97,18 @@ class TestMgpuTm:
         else:
             assert res.logits is None
 
-    def test_a_stacked_layer_read_in_place_equals_its_slice(self):
-        """layer=: k, v, pos stacks [L, ...] read at the layer in place (its own extent)."""
-        case = CASES[0]
-        layers = [make_tiers(case, _seed("stack", i, self.INTERPRET)) for i in range(3)]
+    @pytest.mark.parametrize("kind", ["bf16", "int8"])
+    def test_a_stacked_layer_read_in_place_equals_its_slice(self, kind):
+        """layer=: the slot arrays as stacks [L, ...] read at the layer in place (its own
+        extent); bit for bit the one layer's result, outputs and every read logit."""
+        if kind == "bf16":
+            layers = [make_tiers(CASES[0], _seed("stack", i, self.INTERPRET)) for i in range(3)]
+        else:
+            layers = [_int8_alone(INT8_CASES[2], _seed("stack8", i, self.INTERPRET))
+                      for i in range(3)]  # fmt: skip
         q, q_pos = layers[0][0], layers[0][1]
         tiers = [t[2] for t in layers]
-        stack = FullTier(*(jnp.stack([getattr(t, f) for t in tiers]) for f in ("k", "v", "pos")),
-                         tiers[1].extent)  # fmt: skip
+        stack = stack_layers(tiers)._replace(extent=tiers[1].extent)
         run = functools.partial(
             decode_attention_mgpu_tm, scale=0.1, num_splits=2, stages=2, return_logits=True,
             interpret=self.INTERPRET,
@@ -113,9 +117,10 @@ class TestMgpuTm:
         want = run(q, tiers[1], q_pos)
         for g, w in zip(got[:2], want[:2], strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        # logits: the read slots' (blocks past the extent are not read, their logits undefined)
-        cap = got.logits.shape[-1]
-        read = np.arange(cap) < -(-np.asarray(tiers[1].extent)[:, :, None, None] // 64) * 64
+        # logits: the read slots' (past them undefined): the bf16 kernel reads whole blocks up
+        # to the extent, the INT8 kernel's last block ends at C
+        ext = np.asarray(tiers[1].extent)[:, :, None, None]
+        read = np.arange(got.logits.shape[-1]) < (-(-ext // 64) * 64 if kind == "bf16" else ext)
         read = np.broadcast_to(read, got.logits.shape)
         np.testing.assert_array_equal(np.asarray(got.logits)[read], np.asarray(want.logits)[read])
 
@@ -153,26 +158,6 @@ class TestMgpuTm:
         inside = np.arange(tier.pos.shape[-1]) < np.asarray(tier.extent)[:, :, None, None]
         hidden = ~vis & np.broadcast_to(inside, vis.shape)  # read, but not attended
         assert hidden.any() and np.all(got_l[hidden] == -np.inf)
-
-    def test_int8_stacked_layer_read_in_place_equals_its_slice(self):
-        """layer=: the INT8 tier's k, v, scales and positions as stacks [L, ...], read at the
-        layer in place; bit for bit the one layer's result (outputs and every read logit)."""
-        case = INT8_CASES[2]
-        layers = [_int8_alone(case, _seed("stack8", i, self.INTERPRET)) for i in range(3)]
-        q, q_pos = layers[0][0], layers[0][1]
-        tiers = [t[2] for t in layers]
-        stack = stack_layers(tiers)._replace(extent=tiers[1].extent)
-        run = functools.partial(
-            decode_attention_mgpu_tm, scale=0.1, num_splits=2, stages=2, return_logits=True,
-            interpret=self.INTERPRET,
-        )  # fmt: skip
-        got = run(q, stack, q_pos, layer=jnp.int32(1))
-        want = run(q, tiers[1], q_pos)
-        for g, w in zip(got[:2], want[:2], strict=True):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        read = np.arange(got.logits.shape[-1]) < np.asarray(tiers[1].extent)[:, :, None, None]
-        read = np.broadcast_to(read, got.logits.shape)
-        np.testing.assert_array_equal(np.asarray(got.logits)[read], np.asarray(want.logits)[read])
 
     def test_int8_nothing_visible_gives_zero_and_minus_inf(self):
         q, q_pos, tier, _ = _int8_alone(INT8_CASES[2], _seed("empty8", self.INTERPRET))
