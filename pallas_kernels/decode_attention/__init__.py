@@ -65,7 +65,6 @@ __all__ = [
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
     "decode_attention_mgpu_tm",
-    "slots_on_m",
     "decode_attention_pooled_triton",
     "decode_attention_reference",
     "decode_attention_tpu",
@@ -74,6 +73,7 @@ __all__ = [
     "default_backend",
     "join_applies",
     "join_new_token",
+    "slots_on_m",
     "to_channel_major",
     "tuning_for",
 ]

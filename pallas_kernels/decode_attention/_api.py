@@ -250,7 +250,8 @@ def slots_on_m(q: Array, tier, q_pos: Array, layer: Array | None = None) -> bool
     """Whether `decode_partials` reads this dense tier (one layer, or a stack at `layer`) on
     the GPU through the slots-on-M Mosaic GPU kernel (`decode_attention_mgpu_tm`): its name
     ("full-tm" for a FullTier, "int8-tm" for an Int8Tier) in the device Tuning's mgpu_tiers,
-    and the kernel applies (`mgpu_tm_applies`). q and the tier are checked first."""
+    and the kernel applies (`mgpu_tm_applies`). Where the Tuning lists the tier's name, q
+    and the tier are checked first (one clear error for bad input); else False at once."""
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
     name = {FullTier: "full-tm", Int8Tier: "int8-tm"}.get(type(tier))
@@ -274,7 +275,7 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     from kvjax.pallas_kernels.decode_attention import _mgpu
     from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
-    if slots_on_m(q, tier, q_pos, layer):  # checks q and the tier
+    if slots_on_m(q, tier, q_pos, layer):
         from kvjax.pallas_kernels.decode_attention import _mgpu_tm
 
         return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
