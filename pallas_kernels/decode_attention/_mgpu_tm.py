@@ -208,12 +208,12 @@ def _kernel_int8(
     vs_ref,  # [L, B, Hkv, C] f32
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
-    *refs,  # logits [B, Hkv, G, C] f32 (return_logits); then the scratch: q_smem [N, D] bf16;
-    # k_smem, v_smem [stages, 64, D] int8 (untiled); vc_smem [64, D] bf16 (the block's values
-    # converted); p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; ka_smem [64, D] bf16 (the
-    # interpreter only: its wgmma reads the converted keys from there); s_smem [64, N] f32
-    # (return_logits: the block's logits on their way to [G, 64] rows); the barriers (q; one
-    # per stage)
+    *refs,  # logits [B, Hkv, G + G % 2, C] f32 (return_logits); then the scratch:
+    # q_smem [N, D] bf16; k_smem, v_smem [stages, 64, D] int8 (untiled); vc_smem [64, D]
+    # bf16 (the block's values converted); p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32;
+    # ka_smem [64, D] bf16 (the interpreter only: its wgmma reads the converted keys from
+    # there); s_smem [64, N] f32 (return_logits: the block's logits on their way to [G, 64]
+    # rows); the barriers (q; one per stage)
     scale: float,
     stages: int,
     num_splits: int,
@@ -224,7 +224,7 @@ def _kernel_int8(
     q_smem, k_smem, v_smem, vc_smem, p_smem, lse_smem, *refs = refs[1 if return_logits else 0 :]
     ka_smem = refs.pop(0) if interpret else None
     s_smem = refs.pop(0) if return_logits else None
-    group = logits_ref.shape[2] if return_logits else 0
+    group = logits_ref.shape[2] if return_logits else 0  # G rounded up to even
     q_bar, bars = refs
     cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
@@ -369,8 +369,11 @@ def decode_attention_mgpu_tm(
         jax.ShapeDtypeStruct((b, hkv, splits, d, cols), f32),
         jax.ShapeDtypeStruct((b, hkv, splits, cols), f32),
     ]
+    # The INT8 kernel's logits rows are read back from shared memory in a layout of whole
+    # warpgroups (rows × 64 a multiple of 128): an odd G writes one row more, sliced off here.
+    rows = group + group % 2
     if return_logits:  # the INT8 kernel's [B, Hkv, G, C], the dense one's [B, Hkv, C, N]
-        shape = (b, hkv, group, cap) if quantized else (b, hkv, cap, cols)
+        shape = (b, hkv, rows, cap) if quantized else (b, hkv, cap, cols)
         out_type.append(jax.ShapeDtypeStruct(shape, f32))
     arrays = (jnp.pad(q, (*pad, (0, 0))), *data)  # q [B, Hkv, N, D]
     scratch = [smem_tile((cols, d), jnp.bfloat16)]
@@ -400,7 +403,7 @@ def decode_attention_mgpu_tm(
     out = jnp.swapaxes(o, -1, -2)[..., :group, :]
     logits = None
     if return_logits and quantized:
-        logits = lg[0]
+        logits = lg[0] if rows == group else lg[0][:, :, :group]
     elif return_logits:  # [B, Hkv, C, N] -> [B, Hkv, G, C]
         logits = jnp.swapaxes(lg[0][..., :group], -1, -2)
     return Partials(out, lse[..., :group], logits)
