@@ -48,6 +48,7 @@ ROWS = (
     "mgpu-int4-words", "mgpu-int2-words", "mgpu-int4-words+logits", "mgpu-int2-words+logits",
     "mgpu-tm-bf16", "mgpu-tm-bf16+logits", "pallas-bf16-join", "mgpu-tm-bf16-join",
     "pallas-int8+logits", "mgpu-tm-int8", "mgpu-tm-int8+logits", "mgpu-tm-int8-join",
+    "mgpu-pages-int4", "mgpu-pages-int2", "mgpu-pages-int4+logits", "mgpu-pages-int2+logits",
 )  # fmt: skip
 
 
@@ -212,10 +213,15 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
     # a decode step's own key and value (the `-join` rows merge them with the partials)
     new_kv = jax.random.normal(ks[2], (2, b, hkv, d), jnp.bfloat16)
 
-    def ours(logits=False, bits=None, mgpu=False, tm=False, join=False, fused=False):
+    def ours(logits=False, bits=None, mgpu=False, tm=False, join=False, fused=False, pages=False):
         def fn(q, knobs, tier):
             knobs = knobs or {}
-            if tm:  # slots on the wgmma M axis
+            if pages:  # 8-token pages, tokens on the wgmma M axis (Mosaic GPU)
+                p = da.decode_attention_pages_mgpu(
+                    grouped(q), tier, q_pos, bits=bits, scale=scale, return_logits=logits,
+                    **knobs,
+                )  # fmt: skip
+            elif tm:  # slots on the wgmma M axis
                 p = da.decode_attention_mgpu_tm(
                     grouped(q), tier, q_pos, scale=scale, return_logits=logits, **knobs
                 )
@@ -275,7 +281,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
 
         return lambda: (ours(**kw), *once("pool", build))
 
-    def lowbit(bits: int, f32stats: bool, logits: bool = False):
+    def lowbit(bits: int, f32stats: bool, logits: bool = False, pages: bool = False):
         def build():
             k, v = kv()
             pages = s // page
@@ -289,7 +295,7 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         if f32stats:  # the same codes and statistics held as float32: the layout before 2026-12-01
             arrays = arrays[:2] + tuple(x.astype(jnp.float32) for x in arrays[2:6]) + arrays[6:]
         tier = da.LowBitTier(*arrays, jnp.full((b, hkv), pages, jnp.int32))
-        return ours(bits=bits, logits=logits), tier, _nbytes(*arrays)
+        return ours(bits=bits, logits=logits, pages=pages), tier, _nbytes(*arrays)
 
     def mgpu_lowbit(bits: int, native=False, load: str = "upcast2x", logits=False):
         # Its own layout whatever --page/--value-group say: 64-token pages, 64-channel value
@@ -351,6 +357,10 @@ def _cases(b: int, s: int, hq: int, hkv: int, d: int, page: int, value_group: in
         # with the per-slot logits, as QEvict's low-bit tier reads (its 8-token windows:
         # --page 8 --value-group 128)
         cases[f"pallas-int{bits}+logits"] = functools.partial(lowbit, bits, False, True)
+        # the same tier read by the Mosaic GPU kernel of 8-token pages (--page 8
+        # --value-group 128 --contexts a multiple of 128)
+        cases[f"mgpu-pages-int{bits}"] = functools.partial(lowbit, bits, False, False, True)
+        cases[f"mgpu-pages-int{bits}+logits"] = functools.partial(lowbit, bits, False, True, True)
         cases[f"mgpu-int{bits}"] = functools.partial(mgpu_lowbit, bits)
         # int4 arrays (`to_channel_major(native=True)`), each way of loading them (INT4_LOADS)
         for load, suffix in (("upcast2x", ""), ("wgmma", "-wgmma"), ("auto", "-auto")):

@@ -2,8 +2,9 @@
 
 `decode_attention` runs every tier through its kernel and combines them; the per-backend kernels
 (`decode_attention_triton`, `decode_attention_lowbit_triton`, `decode_attention_mgpu` (Mosaic
-GPU, full and INT8 tiers), `decode_attention_mgpu_tm` (Mosaic GPU, bfloat16 slots on the dots'
-M axis), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
+GPU, full and INT8 tiers), `decode_attention_mgpu_tm` (Mosaic GPU, slots on the dots'
+M axis, full and INT8 tiers), `decode_attention_pages_mgpu` (Mosaic GPU, QEvict's low-bit
+8-token pages), `decode_attention_pooled_triton` (a slot pool shared by the KV heads),
 `decode_attention_tpu`, `decode_attention_lowbit_tpu`), `decode_partials` (the tiers' split
 partials uncombined), `join_new_token` (those partials and a decode step's own token merged in
 one launch) and the plain-jnp
@@ -26,6 +27,7 @@ from kvjax.pallas_kernels.decode_attention._combine_triton import combine_triton
 from kvjax.pallas_kernels.decode_attention._join import join_applies, join_new_token
 from kvjax.pallas_kernels.decode_attention._mgpu import decode_attention_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import decode_attention_lowbit_mgpu
+from kvjax.pallas_kernels.decode_attention._mgpu_pages import decode_attention_pages_mgpu
 from kvjax.pallas_kernels.decode_attention._mgpu_tm import decode_attention_mgpu_tm
 from kvjax.pallas_kernels.decode_attention._reference import decode_attention_reference
 from kvjax.pallas_kernels.decode_attention._tiers import (
@@ -65,6 +67,7 @@ __all__ = [
     "decode_attention_lowbit_triton",
     "decode_attention_mgpu",
     "decode_attention_mgpu_tm",
+    "decode_attention_pages_mgpu",
     "decode_attention_pooled_triton",
     "decode_attention_reference",
     "decode_attention_tpu",

@@ -74,6 +74,9 @@ class Tuning:
         mgpu_tm_int8_stages: blocks the slots-on-M kernel keeps in flight over an INT8 tier.
         mgpu_tm_int8_target_programs: CTAs the slots-on-M kernel aims for over an INT8 tier
             (its int8 tiles and one converted tile: several CTAs a multiprocessor).
+        mgpu_pages_stages: blocks the 8-token-page low-bit kernel (`_mgpu_pages.py`) keeps in
+            flight.
+        mgpu_pages_target_programs: CTAs the 8-token-page low-bit kernel aims for.
         mgpu_target_programs: CTAs (B·Hkv·S) the Mosaic GPU kernels aim for.
         mgpu_lowbit_target_programs: CTAs the Mosaic GPU low-bit kernel aims for (one wave of
             as many CTAs as its registers let each multiprocessor hold).
@@ -122,6 +125,8 @@ class Tuning:
     mgpu_tm_stages: int = 4
     mgpu_tm_int8_stages: int = 2
     mgpu_tm_int8_target_programs: int = 768
+    mgpu_pages_stages: int = 2
+    mgpu_pages_target_programs: int = 768
     mgpu_target_programs: int = 384
     mgpu_lowbit_target_programs: int = 384
     mgpu_tiers: tuple[str, ...] = ()

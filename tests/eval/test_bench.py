@@ -101,7 +101,7 @@ def test_bench_kernel_rows_bytes_and_errors():
     rows = ("copy", "xla-bf16", "xla-dequant-int8", "pallas-int4", "pallas-int4-f32stats")
     rows += ("pallas-bf16-pooled", "mgpu-int4", "mgpu-int4-codes", "mgpu-int4-codes-auto+logits")
     rows += ("mgpu-tm-bf16", "pallas-bf16-fc", "pallas-int8-fc", "pallas-int2+logits")
-    rows += ("mgpu-tm-int8+logits", "pallas-int8+logits")
+    rows += ("mgpu-tm-int8+logits", "pallas-int8+logits", "mgpu-pages-int2+logits")
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA attention promotes implicitly
         res = {
             r.row: r
@@ -131,6 +131,8 @@ def test_bench_kernel_rows_bytes_and_errors():
     assert res["pallas-int4-f32stats"].bytes_read == bf16 // 4 + stats * 4 + 2 * 64 * 4
     # INT2 with logits (QEvict's read): an eighth of BF16's codes, the same statistics
     assert res["pallas-int2+logits"].bytes_read == bf16 // 8 + stats * 2 + 2 * 64 * 4
+    # the same tier, read by the Mosaic GPU kernel of 8-token pages
+    assert res["mgpu-pages-int2+logits"].bytes_read == res["pallas-int2+logits"].bytes_read
     # The slots-on-M Mosaic GPU kernel reads the full tier: K/V and an int32 position a slot.
     assert res["mgpu-tm-bf16"].bytes_read == bf16 + 2 * 64 * 4
     # The fused combine reads the same tier (the partials are not counted in any row).
@@ -152,6 +154,7 @@ def test_bench_kernel_rows_bytes_and_errors():
         assert "Error" in res["pallas-int4"].error
         assert "Error" in res["pallas-int2+logits"].error
         assert "Error" in res["pallas-bf16-pooled"].error
+        assert "Error" in res["mgpu-pages-int2+logits"].error  # (16-token pages here, too)
 
 
 def test_timed_loop_unrolled_is_the_same_chain_of_calls():
