@@ -9,8 +9,9 @@ and zero a token). One CTA (one warpgroup) per (sequence, KV head, split) walks 
 - Key statistics, one row a token: a page's scale and zero hold for its 8 tokens, so a block's
   rows need eight different rows of statistics. The tensor cores broadcast them: E·scale and
   E·zero, E [64, 16] the constant one-hot of each token's page among 16 pages' statistics
-  [16, D], the B operand (the block's 8 and the next block's, or the previous block's for the
-  last: every copy whole, none past the end); float32, exact.
+  [16, D], the B operand (from the block's first page rounded down to a multiple of 8: TMA
+  into a tiled buffer starts on a tile's row; pages past the end come as zeros); float32,
+  exact.
 - QK: S [64 tokens, N] = K·q^T with K = code·scale + zero dequantized in registers (each code
   slice one AND, the top slice's sign bit flipped first so that it converts linearly) and
   rounded to bfloat16: the A operand against q^T (the G query heads zero-padded to N = 8
@@ -22,8 +23,10 @@ and zero a token). One CTA (one warpgroup) per (sequence, KV head, split) walks 
 
 Every array of a block (codes, statistics, positions) streams by TMA `stages` blocks ahead on
 one barrier. Needs a bfloat16 q and bfloat16 statistics, 2- or 4-bit codes, 8-token pages, one
-value group, D a multiple of 64, G ≤ 16 and a page count that is a multiple of 8, at least 16
-(whole blocks: every TMA copy then starts on a block's first row).
+value group, D a multiple of 64, G ≤ 16 and at least 8 pages. Any page count: the last
+block starts at token C − 64 (its tokens before 64·i were the previous block's: not attended
+again), so the codes' and per-token arrays' tiles are untiled (TMA into a tiled buffer needs
+a first row that is a multiple of 8).
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ def pages_mgpu_applies(tier: LowBitTier, q: Array, bits: int) -> str | None:
         return f"head dim {d} (needs a multiple of 64)"
     if q.shape[2] > COLS:
         return f"{q.shape[2]} query heads per KV head (at most {COLS})"
-    if pages % PAGES or pages < K_PAD:
-        return f"{pages} pages (needs a multiple of {PAGES}, at least {K_PAD})"
+    if pages < PAGES:
+        return f"{pages} pages (needs at least {PAGES})"
     return None
 
 
@@ -101,7 +104,7 @@ def _kernel(
     extent_ref,  # [B, Hkv] int32: one past the last attended token (pages · 8)
     qpos_ref,  # [B] int32
     q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
-    e_ref,  # [2, 64, 16] bf16: E, row t one-hot at column t // 8 (E[0]) or 8 + t // 8 (E[1])
+    e_ref,  # [2, 64, 16] bf16: E, row t one-hot at column o + t // 8, o = 0 and P % 8
     k_ref,  # [L, B, Hkv, C, Dp] uint8 packed key codes (C = P · 8 tokens)
     v_ref,  # [L, B, Hkv, C, Dp] uint8
     ks_ref,  # [L, B, Hkv, P, D] bf16 key scale a page and channel
@@ -132,7 +135,7 @@ def _kernel(
     s_smem = refs.pop(0) if return_logits else None
     rows_g = logits_ref.shape[2] if return_logits else 0  # G rounded up to even
     q_bar, bars = refs
-    cap, pages = k_ref.shape[3], ks_ref.shape[3]
+    cap = k_ref.shape[3]
     cols, d = q_ref.shape[2:]
     n_slices, width = 8 // bits, k_ref.shape[4]
     b, h, lay, extent, qpos, first, last, blocks = _split_range(
@@ -144,15 +147,24 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[0])
 
+    start = lambda i: jnp.minimum(i * BLOCK, cap - BLOCK)  # the last block ends at C
+
     def stats_start(i):
-        """The first of the 16 pages of statistics block i copies: its own 8 and the next
-        block's, or the block before's and its own for the last block (no copy past P)."""
-        return jnp.minimum(i * PAGES, pages - K_PAD)
+        """The first of the 16 pages of statistics block i copies: its first page rounded
+        down to a multiple of 8 (TMA into a tiled buffer starts on a tile's row); pages past
+        P come as zeros."""
+        return lax.div(start(i), BLOCK) * PAGES
+
+    def e_of(i):
+        """E for block i: its 8 pages at offset 0 of the 16 copied, or P % 8 (a last block
+        starting inside the one before)."""
+        off = start(i) // PAGE_TOKENS - stats_start(i)
+        return e_smem.at[jnp.where(off == 0, 0, 1)]
 
     def issue(i, slot, when):
         @pl.when(when)
         def _():
-            at = (lay, b, h, pl.ds(i * BLOCK, BLOCK))
+            at = (lay, b, h, pl.ds(start(i), BLOCK))
             pg = (lay, b, h, pl.ds(stats_start(i), K_PAD))
             bar = bars.at[slot]
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], bar)
@@ -171,7 +183,7 @@ def _kernel(
         """The block's keys [64, D] bfloat16, dequantized: each 64-channel half's statistics
         broadcast to its tokens by E·scale, E·zero, then code·scale + zero a slice."""
         kc = k_smem[slot]  # [64, Dp] uint8
-        e = e_smem.at[(i * PAGES - stats_start(i)) // PAGES]  # its pages' rows of the 16
+        e = e_of(i)  # its pages' rows of the 16
         half = 64
         out = []
         for hh in range(d // half):
@@ -222,7 +234,7 @@ def _kernel(
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
         s = s * scale
-        idx = i * BLOCK + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+        idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
         seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
         s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
         if logits_ref is not None:  # the block's scaled logits, slot-minor [G, 64]
@@ -230,8 +242,11 @@ def _kernel(
             plgpu.commit_smem()
             rows = plgpu.Layout.WG_STRIDED((rows_g, BLOCK), vec_size=1)
             vals = plgpu.load(s_smem.T.at[pl.ds(0, rows_g)], layout=rows, optimized=False)
-            logits_ref[b, h, :, pl.ds(i * BLOCK, BLOCK)] = vals
-        p, m_new, l, corr = _online_softmax(s, m, l)
+            logits_ref[b, h, :, pl.ds(start(i), BLOCK)] = vals
+        # A last block starting inside the one before attends only its own tokens (the
+        # others' logits were written again above, with the same values).
+        fresh = lax.broadcast_in_dim(idx >= i * BLOCK, s.shape, [0])
+        p, m_new, l, corr = _online_softmax(jnp.where(fresh, s, -jnp.inf), m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
         zt = zt * lax.broadcast_in_dim(corr, zt.shape, [1]) + p * lax.broadcast_in_dim(
             vz, p.shape, [0]
@@ -275,8 +290,8 @@ def decode_attention_pages_mgpu(
 
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
-        tier: LowBitTier of 2- or 4-bit codes in pages of 8 tokens, a page count that is a
-            multiple of 8 and at least 16, bfloat16 statistics, one value group.
+        tier: LowBitTier of 2- or 4-bit codes in pages of 8 tokens, at least 8 pages,
+            bfloat16 statistics, one value group.
         q_pos: [B] int32 query positions.
         bits: code width, 2 or 4.
         scale: logit scale.
@@ -315,7 +330,7 @@ def decode_attention_pages_mgpu(
     k, v, pos = tokens(k), tokens(v), tokens(pos)
     vs, vz = tokens(vs)[..., 0], tokens(vz)[..., 0]
     tune = tuning_for()
-    blocks = cap // BLOCK
+    blocks = -(-cap // BLOCK)
     stages = max(1, min(stages or tune.mgpu_pages_stages, blocks))
     splits = num_splits or _num_splits(b, hkv, blocks, tune.mgpu_pages_target_programs)
     cols = 8 if group <= 8 else COLS
@@ -329,8 +344,9 @@ def decode_attention_pages_mgpu(
         out_type.append(jax.ShapeDtypeStruct((b, hkv, rows, cap), f32))
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))
     tok = jnp.arange(BLOCK)[:, None] // PAGE_TOKENS
-    e = jnp.stack([tok == jnp.arange(K_PAD)[None, :], tok + PAGES == jnp.arange(K_PAD)[None, :]])
-    e = e.astype(jnp.bfloat16)  # E[0], E[1]: each token's page among the 16 copied
+    offsets = (0, pages % PAGES)
+    e = jnp.stack([tok + o == jnp.arange(K_PAD)[None, :] for o in offsets])
+    e = e.astype(jnp.bfloat16)  # E at each offset: each token's page among the 16 copied
     dp = k.shape[-1]
     # E's rows are 16 bfloat16s (32 bytes): the statistics, the B operand of its dot, take
     # the same tiling and swizzle, as an A operand in shared memory must.
