@@ -213,6 +213,24 @@ def decode_partials(
                 layer=layer if lowbit.k.ndim == 6 else None,  # stacked: read in place
             )  # fmt: skip
         )
+    elif lowbit is not None and backend != "tpu" and _pages_kernel(q, q_pos, lowbit, bits, layer):
+        from kvjax.pallas_kernels.decode_attention._mgpu_pages import (
+            decode_attention_pages_mgpu,
+        )
+
+        parts.append(
+            decode_attention_pages_mgpu(
+                q,
+                lowbit,
+                q_pos,
+                bits=bits,
+                scale=scale,
+                num_splits=num_splits,
+                return_logits=return_logits,
+                interpret=interpret,
+                layer=layer if lowbit.k.ndim == 6 else None,  # stacked: read in place
+            )  # fmt: skip
+        )
     elif lowbit is not None:
         # The TPU low-bit kernel blocks by whole pages (its own default); Triton's by tokens.
         paged = dict(block_k=block_k) if backend != "tpu" else {}
@@ -223,6 +241,26 @@ def decode_partials(
                 paged["layer"] = layer  # read in place
         parts.append(packed(q, lowbit, q_pos, bits=bits, num_splits=num_splits, **paged, **knobs))
     return parts
+
+
+def _pages_kernel(q: Array, q_pos: Array, tier: LowBitTier, bits: int, layer) -> bool:
+    """Whether a GPU backend reads this token-major low-bit tier (one layer, or a stack at
+    `layer`) through the Mosaic GPU kernel of 8-token pages (`decode_attention_pages_mgpu`):
+    "pages" in the device Tuning's mgpu_tiers and the kernel applies (`pages_mgpu_applies`);
+    q and the tier are checked first where the Tuning lists it."""
+    if "pages" not in tuning_for().mgpu_tiers:
+        return False
+    from kvjax.pallas_kernels.decode_attention._mgpu_pages import pages_mgpu_applies
+    from kvjax.pallas_kernels.decode_attention._validate import (
+        check_lowbit,
+        check_query,
+        layer_view,
+    )
+
+    view = tier if layer is None or tier.k.ndim != 6 else layer_view(tier, layer)
+    check_query(q, q_pos)
+    check_lowbit(view, q, bits)
+    return pages_mgpu_applies(view, q, bits) is None
 
 
 def _fused_combine(backend, full, int8, lowbit) -> bool:

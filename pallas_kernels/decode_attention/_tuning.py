@@ -89,7 +89,9 @@ class Tuning:
         mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
             Mosaic GPU kernels on this device (measured faster there); others use Triton.
             "full-tm" / "int8-tm": a bfloat16 full tier / an INT8 tier runs the slots-on-M
-            Mosaic GPU kernel (`decode_attention_mgpu_tm`) where it applies.
+            Mosaic GPU kernel (`decode_attention_mgpu_tm`) where it applies; "pages": a
+            token-major low-bit tier of 8-token pages (QEvict's) runs the Mosaic GPU kernel
+            of 8-token pages (`decode_attention_pages_mgpu`) where it applies.
     """
 
     block_k: int = 64

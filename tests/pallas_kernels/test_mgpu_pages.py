@@ -213,3 +213,40 @@ def test_kernel_lowers_for_h200(bits, logits, g):
             sds((b, hkv, g, d), jnp.bfloat16), tier, sds((b,), jnp.int32)
         )
     assert exp.mlir_module().count("@mosaic_gpu_v2") == 1
+
+
+def test_dispatch_reads_a_stack_through_the_kernel_when_the_tuning_lists_it(monkeypatch):
+    """ "pages" in the Tuning's mgpu_tiers: `decode_attention(..., layer=)` runs a stacked
+    token-major low-bit tier of 8-token pages through this kernel (in place), with the Triton
+    low-bit kernel's result and logits; a tier it does not take (16-token pages) stays with
+    Triton."""
+    import dataclasses
+
+    from kvjax.pallas_kernels.decode_attention import TUNINGS, decode_attention, tuning_for
+
+    case = CASES[0]
+    layers = [_pages_alone(case, 50 + i) for i in range(2)]
+    q, q_pos, _, empty = layers[0]
+    stack = stack_layers([t[2] for t in layers])._replace(extent=layers[1][2].extent)
+    full = jax.tree.map(lambda a: jnp.stack([a, a]), empty)._replace(extent=empty.extent)
+
+    def run(q, lowbit=stack):
+        return decode_attention(
+            q, q_pos, full=full, lowbit=lowbit, bits=2, scale=0.1, interpret=True,
+            return_logits=True, layer=jnp.int32(1),
+        )  # fmt: skip
+
+    want = run(q)  # the Triton low-bit kernel (interpreted)
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("pages",)))
+    assert "kvjax_decode_int2_pages_mgpu" in str(jax.make_jaxpr(run)(q))
+    got = run(q)
+    np.testing.assert_allclose(np.asarray(got.out), np.asarray(want.out), atol=2e-2, rtol=2e-2)
+    seen = np.isfinite(np.asarray(want.logits[-1]))
+    np.testing.assert_allclose(
+        np.asarray(got.logits[-1])[seen], np.asarray(want.logits[-1])[seen], atol=0.05, rtol=0.02
+    )
+    q16, qp16, _, _, wide = make_tiers(case, 2, page=16, value_group=128)
+    wide = stack_layers([wide, wide])
+    jaxpr = str(jax.make_jaxpr(lambda q: run(q, wide))(q16))
+    assert "pages_mgpu" not in jaxpr
