@@ -200,3 +200,38 @@ def test_int8_tier_on_the_slots_on_m_kernel_is_joined_and_equals_xla(monkeypatch
     for field in ("slot_mass", "new_mass", "int8_mass"):
         np.testing.assert_allclose(f32(getattr(got, field)), f32(getattr(want, field)),
                                    atol=1e-2, err_msg=field)  # fmt: skip
+
+
+def test_lowbit_pages_on_the_mosaic_gpu_kernel_equal_xla(monkeypatch):
+    """ "pages" in the Tuning's mgpu_tiers: a bfloat16 step reads its low-bit tier of 8-token
+    pages (QEvict's: 2-bit codes, one value group, 13 pages: the last block starts inside the
+    one before) through the Mosaic GPU kernel of 8-token pages, joined with the other tiers;
+    output and every tier's mass equal XLA's attention to bfloat16's precision."""
+    kind = jax.devices()[0].device_kind
+    tune = dataclasses.replace(tuning_for(), join_new_token=True, mgpu_tiers=("pages",))
+    monkeypatch.setitem(TUNINGS, kind, tune)
+    b, h, d, pages = 2, 2, 64, 13
+    rng = np.random.default_rng(9)
+    nrm = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    kc, ks, kz = quant.quantize_per_channel(nrm(b, h, pages, 8, d), 2)
+    vc, vs, vz = quant.quantize_per_token(nrm(b, h, pages, 8, d), 2, d)
+    lpos = jnp.asarray(rng.integers(0, 60, (b, h, pages, 8)), jnp.int32)
+    lpos = lpos.at[0, 1, 4].set(-1)  # a dormant page
+    low = LowBitTier(
+        quant.pack(kc, 2), quant.pack(vc, 2), ks, kz, vs, vz, lpos,
+        jnp.zeros((b, h, pages)), jnp.ones((b, h, pages), bool), bits=2,
+    )  # fmt: skip
+    layer = _layer(12, c=21, d=d).replace(int8=None, lowbit=low)
+    layer = layer.replace(k=layer.k.astype(jnp.bfloat16), v=layer.v.astype(jnp.bfloat16))
+    bf = lambda x: x.astype(jnp.bfloat16)
+    q, k_new, v_new = (bf(nrm(b, 1, n, d)) for n in (h * 4, h, h))
+    args = (q, layer, k_new, v_new, jnp.array([[40], [55]], jnp.int32), jnp.ones((b, 1), bool))
+    fn = lambda *a: attend(*a, implementation="pallas")
+    assert "kvjax_decode_int2_pages_mgpu" in str(jax.make_jaxpr(fn)(*args))
+    want_out, want = attend(*args, implementation="xla")
+    got_out, got = fn(*args)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(f32(got_out), f32(want_out), atol=3e-2, rtol=3e-2)
+    for field in ("slot_mass", "new_mass", "lowbit_mass"):
+        np.testing.assert_allclose(f32(getattr(got, field)), f32(getattr(want, field)),
+                                   atol=1e-2, err_msg=field)  # fmt: skip
