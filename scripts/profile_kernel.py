@@ -25,7 +25,10 @@ row, rest = args[0], args[1:]
 nums = [a for a in rest if "=" not in a]
 batch, context = (int(nums[0]), int(nums[1])) if nums else (8, 32768)
 knobs = {k: int(v) for k, v in (a.split("=") for a in rest if "=" in a)}
-fn, data, nbytes = _cases(batch, context, 32, 8, 128, 32, 32, jax.random.key(0))[row]()
+# PAGE / VALUE_GROUP: the low-bit rows' page size and value group (`bench kernel --page`,
+# `--value-group`; QEvict's shape is PAGE=8 VALUE_GROUP=128)
+page, group = int(os.environ.get("PAGE", 32)), int(os.environ.get("VALUE_GROUP", 32))
+fn, data, nbytes = _cases(batch, context, 32, 8, 128, page, group, jax.random.key(0))[row]()
 q = jax.random.normal(jax.random.key(1), (batch, 32, 128), jnp.bfloat16)
 f = jax.jit(lambda q, data: fn(q, knobs, data))
 for _ in range(3):

@@ -9,9 +9,8 @@ and zero a token). One CTA (one warpgroup) per (sequence, KV head, split) walks 
 - Key statistics, one row a token: a page's scale and zero hold for its 8 tokens, so a block's
   rows need eight different rows of statistics. The tensor cores broadcast them: E·scale and
   E·zero, E [64, 16] the constant one-hot of each token's page among 16 pages' statistics
-  [16, D], the B operand (from the block's first page rounded down to a multiple of 8: TMA
-  into a tiled buffer starts on a tile's row; pages past the end come as zeros); float32,
-  exact.
+  [16, D], the B operand (the block's 8 and the next block's 8, against E's zeros; past the
+  end TMA's zeros); float32, exact.
 - QK: S [64 tokens, N] = K·q^T with K = code·scale + zero dequantized in registers (each code
   slice one AND, the top slice's sign bit flipped first so that it converts linearly) and
   rounded to bfloat16: the A operand against q^T (the G query heads zero-padded to N = 8
@@ -23,10 +22,10 @@ and zero a token). One CTA (one warpgroup) per (sequence, KV head, split) walks 
 
 Every array of a block (codes, statistics, positions) streams by TMA `stages` blocks ahead on
 one barrier. Needs a bfloat16 q and bfloat16 statistics, 2- or 4-bit codes, 8-token pages, one
-value group, D a multiple of 64, G ≤ 16 and at least 8 pages. Any page count: the last
-block starts at token C − 64 (its tokens before 64·i were the previous block's: not attended
-again), so the codes' and per-token arrays' tiles are untiled (TMA into a tiled buffer needs
-a first row that is a multiple of 8).
+value group, D a multiple of 64, G ≤ 16 and a page count that is a multiple of 8 (TMA into
+the statistics' tiled buffer needs the source's page axis a multiple of the tile's 8 rows:
+compiled, 17 and 25 pages failed there, though the interpreter and the lowering on CPU
+accepted them).
 """
 
 from __future__ import annotations
@@ -80,8 +79,9 @@ def pages_mgpu_applies(tier: LowBitTier, q: Array, bits: int) -> str | None:
         return f"head dim {d} (needs a multiple of 64)"
     if q.shape[2] > COLS:
         return f"{q.shape[2]} query heads per KV head (at most {COLS})"
-    if pages < PAGES:
-        return f"{pages} pages (needs at least {PAGES})"
+    if pages % PAGES or not pages:
+        # TMA into the statistics' tiled buffer needs the page axis a multiple of its tile's 8
+        return f"{pages} pages (needs a positive multiple of {PAGES})"
     return None
 
 
@@ -104,7 +104,7 @@ def _kernel(
     extent_ref,  # [B, Hkv] int32: one past the last attended token (pages · 8)
     qpos_ref,  # [B] int32
     q_ref,  # [B, Hkv, N, D] bf16: the G query heads, rows >= G zero
-    e_ref,  # [2, 64, 16] bf16: E, row t one-hot at column o + t // 8, o = 0 and P % 8
+    e_ref,  # [64, 16] bf16: E, row t one-hot at column t // 8
     k_ref,  # [L, B, Hkv, C, Dp] uint8 packed key codes (C = P · 8 tokens)
     v_ref,  # [L, B, Hkv, C, Dp] uint8
     ks_ref,  # [L, B, Hkv, P, D] bf16 key scale a page and channel
@@ -115,7 +115,7 @@ def _kernel(
     o_ref,  # [B, Hkv, S, D, N] f32: out^T
     lse_ref,  # [B, Hkv, S, N] f32
     *refs,  # logits [B, Hkv, G + G % 2, C] f32 (return_logits); then the scratch:
-    # q_smem [N, D] bf16; e_smem [2, 64, 16] bf16 (E); k_smem, v_smem [stages, 64, Dp]
+    # q_smem [N, D] bf16; e_smem [64, 16] bf16 (E); k_smem, v_smem [stages, 64, Dp]
     # uint8; ks_smem, kz_smem [stages, 16, D] bf16 (16 pages); vs_smem, vz_smem [stages, 64]
     # bf16; pos_smem [stages, 64] int32; vc_smem [64, D] bf16 (the value codes converted);
     # p_smem [N, 64] bf16 (P'^T); lse_smem [N] f32; ka_smem [64, D] bf16 (the interpreter
@@ -147,25 +147,14 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[0])
 
-    start = lambda i: jnp.minimum(i * BLOCK, cap - BLOCK)  # the last block ends at C
-
-    def stats_start(i):
-        """The first of the 16 pages of statistics block i copies: its first page rounded
-        down to a multiple of 8 (TMA into a tiled buffer starts on a tile's row); pages past
-        P come as zeros."""
-        return lax.div(start(i), BLOCK) * PAGES
-
-    def e_of(i):
-        """E for block i: its 8 pages at offset 0 of the 16 copied, or P % 8 (a last block
-        starting inside the one before)."""
-        off = start(i) // PAGE_TOKENS - stats_start(i)
-        return e_smem.at[jnp.where(off == 0, 0, 1)]
+    start = lambda i: i * BLOCK
 
     def issue(i, slot, when):
         @pl.when(when)
         def _():
             at = (lay, b, h, pl.ds(start(i), BLOCK))
-            pg = (lay, b, h, pl.ds(stats_start(i), K_PAD))
+            # 16 pages from the block's first: the next block's 8 (zeros past P) are E's zeros
+            pg = (lay, b, h, pl.ds(i * PAGES, K_PAD))
             bar = bars.at[slot]
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], bar)
@@ -179,19 +168,18 @@ def _kernel(
         issue(first + j, j, first + j < last)
     plgpu.barrier_wait(q_bar.at[0])
 
-    def keys_of(slot, i):
+    def keys_of(slot):
         """The block's keys [64, D] bfloat16, dequantized: each 64-channel half's statistics
         broadcast to its tokens by E·scale, E·zero, then code·scale + zero a slice."""
         kc = k_smem[slot]  # [64, Dp] uint8
-        e = e_of(i)  # its pages' rows of the 16
         half = 64
         out = []
         for hh in range(d // half):
             chans = pl.ds(hh * half, half)
 
             def stats(sc_ref, z_ref, chans=chans):
-                plgpu.wgmma(sc_ref, e, ks_smem.at[slot, :, chans])
-                plgpu.wgmma(z_ref, e, kz_smem.at[slot, :, chans])
+                plgpu.wgmma(sc_ref, e_smem, ks_smem.at[slot, :, chans])
+                plgpu.wgmma(z_ref, e_smem, kz_smem.at[slot, :, chans])
                 return sc_ref[...], z_ref[...]
 
             acc = plgpu.ACC((BLOCK, half), jnp.float32)
@@ -215,7 +203,7 @@ def _kernel(
         acc, m, l, zt = carry
         slot = lax.rem(i - first, stages)
         plgpu.barrier_wait(bars.at[slot])
-        keys = keys_of(slot, i)
+        keys = keys_of(slot)
         if ka_smem is not None:  # interpreted: the A operand from shared memory
             ka_smem[...] = keys
             plgpu.commit_smem()
@@ -243,10 +231,7 @@ def _kernel(
             rows = plgpu.Layout.WG_STRIDED((rows_g, BLOCK), vec_size=1)
             vals = plgpu.load(s_smem.T.at[pl.ds(0, rows_g)], layout=rows, optimized=False)
             logits_ref[b, h, :, pl.ds(start(i), BLOCK)] = vals
-        # A last block starting inside the one before attends only its own tokens (the
-        # others' logits were written again above, with the same values).
-        fresh = lax.broadcast_in_dim(idx >= i * BLOCK, s.shape, [0])
-        p, m_new, l, corr = _online_softmax(jnp.where(fresh, s, -jnp.inf), m, l)
+        p, m_new, l, corr = _online_softmax(s, m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
         zt = zt * lax.broadcast_in_dim(corr, zt.shape, [1]) + p * lax.broadcast_in_dim(
             vz, p.shape, [0]
@@ -290,7 +275,7 @@ def decode_attention_pages_mgpu(
 
     Args:
         q: [B, Hkv, G, D] bfloat16 queries grouped by KV head (G <= 16, D % 64 == 0).
-        tier: LowBitTier of 2- or 4-bit codes in pages of 8 tokens, at least 8 pages,
+        tier: LowBitTier of 2- or 4-bit codes in pages of 8 tokens, a multiple of 8 pages,
             bfloat16 statistics, one value group.
         q_pos: [B] int32 query positions.
         bits: code width, 2 or 4.
@@ -330,7 +315,7 @@ def decode_attention_pages_mgpu(
     k, v, pos = tokens(k), tokens(v), tokens(pos)
     vs, vz = tokens(vs)[..., 0], tokens(vz)[..., 0]
     tune = tuning_for()
-    blocks = -(-cap // BLOCK)
+    blocks = cap // BLOCK
     stages = max(1, min(stages or tune.mgpu_pages_stages, blocks))
     splits = num_splits or _num_splits(b, hkv, blocks, tune.mgpu_pages_target_programs)
     cols = 8 if group <= 8 else COLS
@@ -344,9 +329,7 @@ def decode_attention_pages_mgpu(
         out_type.append(jax.ShapeDtypeStruct((b, hkv, rows, cap), f32))
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0)))
     tok = jnp.arange(BLOCK)[:, None] // PAGE_TOKENS
-    offsets = (0, pages % PAGES)
-    e = jnp.stack([tok + o == jnp.arange(K_PAD)[None, :] for o in offsets])
-    e = e.astype(jnp.bfloat16)  # E at each offset: each token's page among the 16 copied
+    e = (tok == jnp.arange(K_PAD)[None, :]).astype(jnp.bfloat16)  # E: each token's page
     dp = k.shape[-1]
     # E's rows are 16 bfloat16s (32 bytes): the statistics, the B operand of its dot, take
     # the same tiling and swizzle, as an A operand in shared memory must.
@@ -354,7 +337,7 @@ def decode_attention_pages_mgpu(
     stats_tile = plgpu.SMEM((stages, K_PAD, d), jnp.bfloat16, transforms=tiled_32b)
     scratch = [
         smem_tile((cols, d), jnp.bfloat16),
-        smem_tile((2, BLOCK, K_PAD), jnp.bfloat16),
+        smem_tile((BLOCK, K_PAD), jnp.bfloat16),
         plgpu.SMEM((stages, BLOCK, dp), jnp.uint8),
         plgpu.SMEM((stages, BLOCK, dp), jnp.uint8),
         stats_tile,

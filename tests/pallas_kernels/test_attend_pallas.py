@@ -204,13 +204,13 @@ def test_int8_tier_on_the_slots_on_m_kernel_is_joined_and_equals_xla(monkeypatch
 
 def test_lowbit_pages_on_the_mosaic_gpu_kernel_equal_xla(monkeypatch):
     """ "pages" in the Tuning's mgpu_tiers: a bfloat16 step reads its low-bit tier of 8-token
-    pages (QEvict's: 2-bit codes, one value group, 13 pages: the last block starts inside the
-    one before) through the Mosaic GPU kernel of 8-token pages, joined with the other tiers;
-    output and every tier's mass equal XLA's attention to bfloat16's precision."""
+    pages (QEvict's: 2-bit codes, one value group, 16 pages) through the Mosaic GPU kernel of
+    8-token pages, joined with the other tiers; output and every tier's mass equal XLA's
+    attention to bfloat16's precision."""
     kind = jax.devices()[0].device_kind
     tune = dataclasses.replace(tuning_for(), join_new_token=True, mgpu_tiers=("pages",))
     monkeypatch.setitem(TUNINGS, kind, tune)
-    b, h, d, pages = 2, 2, 64, 13
+    b, h, d, pages = 2, 2, 64, 16
     rng = np.random.default_rng(9)
     nrm = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     kc, ks, kz = quant.quantize_per_channel(nrm(b, h, pages, 8, d), 2)
