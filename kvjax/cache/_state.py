@@ -285,11 +285,23 @@ def _page_at(page: Array, rank: int):
 
 
 def _page_put(page: Array):
-    """(a, x) → a with a[b, h, page[b, h, j]] = x[b, h, j] (indices ≥ P dropped)."""
-    b, h = page.shape[:2]
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(h)[None, :, None]
-    return lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
+    """(a, x) → a with a[b, h, page[b, h, j]] = x[b, h, j] (indices ≥ P dropped; none is
+    negative). One scatter with the batch and head axes as batching dimensions: indexing
+    with `.at[]` traced three index arrays, their negative-index selects and their
+    concatenation for every array written."""
+    idx = page[..., None]
+
+    def put(a, x):
+        dn = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=tuple(range(3, a.ndim)),
+            inserted_window_dims=(2,),
+            scatter_dims_to_operand_dims=(2,),
+            operand_batching_dims=(0, 1),
+            scatter_indices_batching_dims=(0, 1),
+        )
+        return jax.lax.scatter(a, idx, x.astype(a.dtype), dn, mode="drop")
+
+    return put
 
 
 @struct.dataclass
