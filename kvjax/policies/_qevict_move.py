@@ -19,21 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache._state import scatter_heads
+
 Array = jax.Array
 
 
-def put(a: Array, idx: Array, x: Array) -> Array:
-    """a[b, h, idx[b, h, n]] = x[b, h, n] (out-of-range idx dropped; none is negative), one
-    scatter with batch and head as batching dimensions (`.at[]` would add three index arrays,
-    their negative-index selects and their concatenation)."""
-    dn = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(3, a.ndim)),
-        inserted_window_dims=(2,),
-        scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0, 1),
-        scatter_indices_batching_dims=(0, 1),
-    )
-    return jax.lax.scatter(a, idx[..., None], x.astype(a.dtype), dn, mode="drop")
+put = scatter_heads  # a[b, h, idx[b, h, n]] = x[b, h, n]
 
 
 def move_sizes(lay, kk: int, moves: int | None) -> tuple[int, int, int]:

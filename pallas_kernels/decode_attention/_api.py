@@ -195,31 +195,18 @@ def decode_partials(
     parts = [dense(q, full, q_pos, **tiling, **knobs)]
     if int8 is not None:
         parts.append(dense(q, int8, q_pos, **tiling, **knobs))
+    mosaic_lowbit = None  # the Mosaic GPU low-bit kernel this tier runs, if one
     if isinstance(lowbit, ChannelMajorLowBitTier):  # checked above: a GPU backend
         from kvjax.pallas_kernels.decode_attention._mgpu_lowbit import (
-            decode_attention_lowbit_mgpu,
-        )
-
-        parts.append(
-            decode_attention_lowbit_mgpu(
-                q,
-                lowbit,
-                q_pos,
-                bits=bits,
-                scale=scale,
-                num_splits=num_splits,
-                return_logits=return_logits,
-                interpret=interpret,
-                layer=layer if lowbit.k.ndim == 6 else None,  # stacked: read in place
-            )  # fmt: skip
+            decode_attention_lowbit_mgpu as mosaic_lowbit,
         )
     elif lowbit is not None and backend != "tpu" and _pages_kernel(q, q_pos, lowbit, bits, layer):
         from kvjax.pallas_kernels.decode_attention._mgpu_pages import (
-            decode_attention_pages_mgpu,
+            decode_attention_pages_mgpu as mosaic_lowbit,
         )
-
+    if mosaic_lowbit is not None:
         parts.append(
-            decode_attention_pages_mgpu(
+            mosaic_lowbit(
                 q,
                 lowbit,
                 q_pos,

@@ -44,7 +44,10 @@ from kvjax.pallas_kernels.decode_attention._mgpu_tm import (
     COLS,
     _finish,
     _init_carry,
+    _logit_rows,
+    _masked,
     _online_softmax,
+    _pv_step,
     _split_range,
 )
 from kvjax.pallas_kernels.decode_attention._tiers import LowBitTier, Partials
@@ -223,27 +226,16 @@ def _kernel(
         issue(i + stages, slot, i + stages < last)
         s = s * scale
         idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-        seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
-        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+        s = _masked(s, pos, qpos, idx, extent)
         if logits_ref is not None:  # the block's scaled logits, slot-minor [G, 64]
-            s_smem[...] = s
-            plgpu.commit_smem()
-            rows = plgpu.Layout.WG_STRIDED((rows_g, BLOCK), vec_size=1)
-            vals = plgpu.load(s_smem.T.at[pl.ds(0, rows_g)], layout=rows, optimized=False)
-            logits_ref[b, h, :, pl.ds(start(i), BLOCK)] = vals
+            _logit_rows(s, s_smem, logits_ref.at[b, h, :, pl.ds(start(i), BLOCK)], rows_g)
         p, m_new, l, corr = _online_softmax(s, m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
         zt = zt * lax.broadcast_in_dim(corr, zt.shape, [1]) + p * lax.broadcast_in_dim(
             vz, p.shape, [0]
         )
         plgpu.commit_smem()
-
-        def pv(o_ref_):
-            plgpu.wgmma(o_ref_, vc_smem.T, p_smem.T)
-            return o_ref_[...]
-
-        part = pl.run_scoped(pv, plgpu.ACC((d, cols), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part
+        acc = _pv_step(acc, corr, vc_smem.T, p_smem.T, d, cols)
         return acc, m_new, l, zt
 
     acc0, m0, l0 = _init_carry(d, cols)

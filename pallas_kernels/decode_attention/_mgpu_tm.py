@@ -107,6 +107,35 @@ def _finish(acc, m, l, o_ref, lse_ref, lse_smem, at) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+def _masked(s: Array, pos: Array, qpos: Array, idx: Array, extent: Array) -> Array:
+    """A block's logits s [64, N], -inf on the slots not attended: no position, a future one,
+    or past the extent (idx [64]: each row's slot)."""
+    seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
+    return jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+
+
+def _logit_rows(s: Array, s_smem, dst, rows: int) -> None:
+    """A block's logits S [64, N] to `dst` [rows, 64], slot-minor: stored to s_smem as the
+    dot left them, read back transposed one slot a thread (`rows` = G rounded up to even:
+    that layout needs whole warpgroups)."""
+    s_smem[...] = s
+    plgpu.commit_smem()
+    layout = plgpu.Layout.WG_STRIDED((rows, BLOCK), vec_size=1)
+    dst[...] = plgpu.load(s_smem.T.at[pl.ds(0, rows)], layout=layout, optimized=False)
+
+
+def _pv_step(acc: Array, corr: Array, vt, pt, d: int, cols: int) -> Array:
+    """The accumulator out^T [D, N] rescaled by corr, plus the block's V^T·P' (vt [D, 64] and
+    pt [64, N] in shared memory)."""
+
+    def pv(o_ref_):
+        plgpu.wgmma(o_ref_, vt, pt)
+        return o_ref_[...]
+
+    part = pl.run_scoped(pv, plgpu.ACC((d, cols), jnp.float32))
+    return acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part
+
+
 def _split_range(layer_ref, extent_ref, qpos_ref, cap: int, num_splits: int):
     """This CTA's (b, h, layer, extent, query position, its split's first and last blocks,
     the head's block count): blocks of 64 slots up to the head's extent, split evenly."""
@@ -275,25 +304,14 @@ def _kernel_int8(
         issue(i + stages, slot, i + stages < last)
         s = s * lax.broadcast_in_dim(ks * scale, s.shape, [0])
         idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-        seen = (pos >= 0) & (pos <= qpos) & (idx < extent)
-        s = jnp.where(lax.broadcast_in_dim(seen, s.shape, [0]), s, -jnp.inf)
+        s = _masked(s, pos, qpos, idx, extent)
         if logits_ref is not None:  # the block's scaled logits, slot-minor [G, 64]
-            s_smem[...] = s
-            plgpu.commit_smem()
-            rows = plgpu.Layout.WG_STRIDED((group, BLOCK), vec_size=1)
-            vals = plgpu.load(s_smem.T.at[pl.ds(0, group)], layout=rows, optimized=False)
-            logits_ref[b, h, :, pl.ds(start(i), BLOCK)] = vals
+            _logit_rows(s, s_smem, logits_ref.at[b, h, :, pl.ds(start(i), BLOCK)], group)
         fresh = lax.broadcast_in_dim(idx >= i * BLOCK, s.shape, [0])  # not the block before's
         p, m_new, l, corr = _online_softmax(jnp.where(fresh, s, -jnp.inf), m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
         plgpu.commit_smem()
-
-        def pv(o_ref_):
-            plgpu.wgmma(o_ref_, vc_smem.T, p_smem.T)
-            return o_ref_[...]
-
-        part = pl.run_scoped(pv, plgpu.ACC((d, cols), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(corr, part.shape, [1]) + part
+        acc = _pv_step(acc, corr, vc_smem.T, p_smem.T, d, cols)
         return acc, m_new, l, ahead
 
     init = (*_init_carry(d, cols), slot_rows(jnp.clip(first, 0, jnp.maximum(blocks - 1, 0))))
