@@ -284,24 +284,12 @@ def _page_at(page: Array, rank: int):
     return at
 
 
-def scatter_heads(a: Array, idx: Array, x: Array) -> Array:
-    """a[b, h, idx[b, h, n]] = x[b, h, n] (indices past the axis dropped; none is negative):
-    one scatter with the batch and head axes as batching dimensions, where indexing with
-    `.at[]` traces three index arrays, their negative-index selects and their concatenation
-    for every array written."""
-    dn = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(3, a.ndim)),
-        inserted_window_dims=(2,),
-        scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0, 1),
-        scatter_indices_batching_dims=(0, 1),
-    )
-    return jax.lax.scatter(a, idx[..., None], x.astype(a.dtype), dn, mode="drop")
-
-
 def _page_put(page: Array):
-    """(a, x) → a with a[b, h, page[b, h, j]] = x[b, h, j] (`scatter_heads`)."""
-    return lambda a, x: scatter_heads(a, page, x)
+    """(a, x) → a with a[b, h, page[b, h, j]] = x[b, h, j] (indices ≥ P dropped)."""
+    b, h = page.shape[:2]
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    return lambda a, x: a.at[bi, hi, page].set(x.astype(a.dtype), mode="drop")
 
 
 @struct.dataclass

@@ -217,8 +217,8 @@ class QEvictPolicy(Policy):
     def write_stack(self, layers, k_new, v_new, pos_new, valid, stats, state):
         """`write_layers` over a stacked cache (leading [L] axis): the per-layer parts vmapped
         over the stack (the scatters write the stacked buffers in place) and, as unrolled, one
-        routing event for all layers with its move loop (`apply_moves_stacked`) inside it (a
-        loop of at most one trip, its small arrays and tiers updated in place)."""
+        routing event for all layers (here a loop of at most one trip, its small arrays updated
+        in place) and one move loop (`apply_moves_stacked`)."""
         del state
         lay = self.layout(layers.k.shape[-1], layers.k.dtype)
         pre = jax.vmap(
@@ -226,32 +226,23 @@ class QEvictPolicy(Policy):
                 lay=None
             )
         )(layers, k_new, v_new, stats)
-        # positions only: equal in every layer
-        win, event = pre.win[0], pre.event[0]
-        ring = None if pre.ring is None else pre.ring[0]
-        pre = pre._replace(ring=None)
+        n, b, h, kk = pre.nwin.shape
+        win, event = pre.win[0], pre.event[0]  # positions only: equal in every layer
         one = self._router(lay, win, event)
-        # The routing event and its data movement in a loop of at most one trip: its carry
-        # (every layer's small arrays and tiers; the tiers without the pages' metadata, which
-        # `st` carries) is updated in place, where a cond passed it through on the steps
-        # without an event, a copy of each a step. The plan never leaves the loop: carried out
-        # of it to a move loop of its own, it was an empty plan built every step.
-        codes = lambda lb: lb.replace(pos=None, score=None, held=None)
-        with_tiers = lambda t: pre._replace(layer=pre.layer.replace(k=t[0], v=t[1], lowbit=t[2]))
+        empty = empty_plan(b, h, lay, kk, self.moves)
+        stack = lambda x: jnp.broadcast_to(x, (n, *x.shape))
+        # The routing event in a loop of at most one trip: its carry (every layer's small
+        # arrays, positions and scores of every slot among them) is updated in place, where a
+        # cond passed them through on the steps without an event, a copy of each a step.
 
         def route_all(carry):
-            _, st, tiers = carry
-            st, plan = jax.vmap(one)(st, pre.new_score)
-            jobs = jax.vmap(self._job)(with_tiers(tiers), st, plan._replace(counts=None))
-            moved = apply_moves_stacked(
-                jobs._replace(ring=ring), lay, plan.counts, moves=self.moves
-            )
-            return jnp.bool_(False), st, (moved.k, moved.v, codes(moved.lowbit))
+            _, st, _ = carry
+            return (jnp.bool_(False), *jax.vmap(one)(st, pre.new_score))
 
-        tiers = (pre.layer.k, pre.layer.v, codes(pre.layer.lowbit))
-        init = (jnp.any(event), pre.st, tiers)
-        _, st, tiers = jax.lax.while_loop(lambda c: c[0], route_all, init)
-        return jax.vmap(self._job)(with_tiers(tiers), st, None).layer
+        init = (jnp.any(event), pre.st, jax.tree.map(stack, empty))
+        _, st, plan = jax.lax.while_loop(lambda c: c[0], route_all, init)
+        jobs = jax.vmap(self._job)(pre, st, plan._replace(counts=None))
+        return apply_moves_stacked(jobs, lay, plan.counts, moves=self.moves)
 
     def _router(self, lay, win, event):
         """`route` of one layer's (small arrays, leaving windows' scores)."""
@@ -259,8 +250,7 @@ class QEvictPolicy(Policy):
 
     def _before_route(self, layer, k_new, v_new, pos_new, valid, stats) -> _PreRoute:
         """One layer's write up to its routing event: scores, this call's tokens in the ring,
-        the windows leaving the ring (their K/V None where the move loop reads them from the
-        ring, `MoveJob.ring`) and the small arrays the event reads."""
+        the windows leaving the ring and the small arrays the event reads."""
         lay = self.layout(layer.k.shape[-1], layer.k.dtype)
         b, t, h, d = k_new.shape
         w, r, s = self.window, lay.ring, self.sinks
@@ -285,22 +275,8 @@ class QEvictPolicy(Policy):
         from_ring = lambda a: take(a, ring_idx[..., None])
         from_new = lambda a: take(jnp.swapaxes(a, 1, 2), new_idx[..., None])
         shape = (b, h, kk, w, d)
-        # A decode step's leaving window is whole in the ring, ω slots in a row from
-        # s + (j·ω mod R) (R a multiple of ω), and with a band its token is written in the
-        # slot of a window that has left (position s + band + (j + 1)·ω - 1, slot
-        # s + (j·ω - 1) mod R): the move loop reads it there, nothing copied out every step.
-        # Without a band, or with several tokens, the window may hold this call's tokens.
-        ring = None
-        if t == 1 and self.local_band > 0:
-            new_k = new_v = None
-            ring = s + (j * w) % r  # [B, K]
-        else:
-            new_k = jnp.where(
-                old, from_ring(layer.k).reshape(shape), from_new(k_new).reshape(shape)
-            )
-            new_v = jnp.where(
-                old, from_ring(layer.v).reshape(shape), from_new(v_new).reshape(shape)
-            )
+        new_k = jnp.where(old, from_ring(layer.k).reshape(shape), from_new(k_new).reshape(shape))
+        new_v = jnp.where(old, from_ring(layer.v).reshape(shape), from_new(v_new).reshape(shape))
         sc_ring = take(layer.score, ring_idx).reshape(b, h, kk, w)
         sc_new = take(stats.new_mass, new_idx).reshape(b, h, kk, w)
         new_score = jnp.where(old[..., 0], sc_ring, sc_new)
@@ -333,7 +309,7 @@ class QEvictPolicy(Policy):
         lb = layer.lowbit
         st = RouteState(layer.pos, layer.score, lb.pos, lb.score, lb.held, layer.aux.fp_ledger)
         nwin = jnp.broadcast_to(win[:, None, :], (b, h, kk))
-        return _PreRoute(layer, lay, st, new_k, new_v, new_score, win, l1 > l0, nwin, ring)
+        return _PreRoute(layer, lay, st, new_k, new_v, new_score, win, l1 > l0, nwin)
 
     def _route_all(self, pres: list[_PreRoute]) -> list[tuple[RouteState, Any]]:
         """Every layer's routing event under one cond on small arrays: (new small arrays,
@@ -367,7 +343,7 @@ class QEvictPolicy(Policy):
             lowbit=lb.replace(pos=st.page_pos, score=st.page_score, held=st.held),
             aux=QEvictAux(fp_ledger=st.fp_ledger),
         )
-        return MoveJob(layer, pre.lay, plan, pre.new_k, pre.new_v, pre.ring)
+        return MoveJob(layer, pre.lay, plan, pre.new_k, pre.new_v)
 
 
 class _PreRoute(NamedTuple):
@@ -382,4 +358,3 @@ class _PreRoute(NamedTuple):
     win: Array
     event: Array
     nwin: Array
-    ring: Array | None

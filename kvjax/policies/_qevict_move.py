@@ -19,12 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache._state import scatter_heads
-
 Array = jax.Array
 
 
-put = scatter_heads  # a[b, h, idx[b, h, n]] = x[b, h, n]
+def put(a: Array, idx: Array, x: Array) -> Array:
+    """a[b, h, idx[b, h, n]] = x[b, h, n] (out-of-range idx dropped)."""
+    b, h = idx.shape[:2]
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(h)[None, :, None]
+    return a.at[bi, hi, idx].set(x.astype(a.dtype), mode="drop")
 
 
 def move_sizes(lay, kk: int, moves: int | None) -> tuple[int, int, int]:
@@ -43,25 +46,14 @@ class MoveJob(NamedTuple):
             ledger of every slot and page).
         lay: its Layout (static).
         plan: the MovePlan.
-        new_k, new_v: [B, H, K, ω, D] the windows leaving the ring, or None: read from the
-            ring itself at `ring`.
-        ring: [B, K] int32 the ring slot of each leaving window's first token, where new_k and
-            new_v are None (a decode step's leaving window is whole in the ring, its ω
-            slots in a row, and the step's token is written elsewhere: the window is read
-            where the fp windows are, by the same gather, not copied out every step).
+        new_k, new_v: [B, H, K, ω, D] the windows leaving the ring.
     """
 
     layer: Any
     lay: Any
     plan: Any
-    new_k: Array | None
-    new_v: Array | None
-    ring: Array | None = None
-
-
-def _leaving(job: MoveJob) -> int:
-    """K, the windows leaving the ring per call (the axis after B, H of a job's)."""
-    return job.ring.shape[-1] if job.new_k is None else job.new_k.shape[-3]
+    new_k: Array
+    new_v: Array
 
 
 def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...]:
@@ -85,7 +77,7 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
     Returns:
         The layers with codes and K/V moved.
     """
-    m = move_sizes(jobs[0].lay, _leaving(jobs[0]), moves)[2]
+    m = move_sizes(jobs[0].lay, jobs[0].new_k.shape[2], moves)[2]
     rounds = _busiest_rounds(jnp.stack([j.plan.counts for j in jobs]), m)
     slim = [j._replace(layer=j.layer.replace(k=None, v=None, lowbit=None)) for j in jobs]
 
@@ -103,8 +95,7 @@ def apply_moves(jobs: Sequence[MoveJob], *, moves: int | None) -> tuple[Any, ...
 
 def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
     """`apply_moves` over a stacked cache: `job` holds every layer's MoveJob with a leading
-    [L] axis on each array but `ring` (every layer's; `lay`, static, given apart; its plan's
-    counts None), `counts`
+    [L] axis on each array (`lay`, static, given apart; its plan's counts None), `counts`
     [L, B, H, 2] each head's windows to quantize and to bring into full precision (zeros
     without an event).
 
@@ -129,12 +120,8 @@ def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
     per_head = lambda a: a.reshape(heads, *a.shape[3:])
     plan = job.plan
     src, dst = per_head(plan.src), per_head(plan.dst)
-    if job.new_k is None:  # [B, K] -> each head's [heads, K]
-        ring = jnp.broadcast_to(job.ring[None, :, None], (n_layers, b, h, job.ring.shape[-1]))
-        new = (None, None, per_head(ring))
-    else:
-        new = (per_head(job.new_k), per_head(job.new_v), None)
-    n_q, _, m = move_sizes(lay, _leaving(job), moves)
+    new_k, new_v = per_head(job.new_k), per_head(job.new_v)
+    n_q, _, m = move_sizes(lay, job.new_k.shape[3], moves)
     big = _flat_round(m, b * h, n_layers)
     counts = per_head(counts)  # [heads, 2]
     ends = jnp.cumsum(counts, axis=0, dtype=jnp.int32)  # each head's entries end here
@@ -154,7 +141,7 @@ def apply_moves_stacked(job: MoveJob, lay, counts: Array, *, moves: int | None):
             at = lay.fp_windows + kind * lq + g - starts[head, kind]
             nowhere = (lay.pages, lay.fp_windows)[kind]
             t = jnp.where(ok, dst[head, at], nowhere)
-            return _move_flat(lay, carry, head, src[head, at], t, kind == 0, new, cap)
+            return _move_flat(lay, carry, head, src[head, at], t, kind == 0, new_k, new_v, cap)
 
         return jax.lax.fori_loop(0, rounds[kind], body, carry)
 
@@ -174,10 +161,9 @@ def _apply_moves_vmapped(job: MoveJob, lay, counts: Array, *, moves: int | None)
     Its loop body is smaller (fewer kernels to compile) and with few heads the rounds cost
     little more than the flat list's."""
     layer = job.layer
-    rounds = _busiest_rounds(counts, move_sizes(lay, _leaving(job), moves)[2])
-    slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None), ring=None)
-    ring = job.ring  # (every layer's)
-    one = lambda j, c, r, rq: _move_round(j._replace(lay=lay, ring=ring), c, r, rq, moves)
+    rounds = _busiest_rounds(counts, move_sizes(lay, job.new_k.shape[3], moves)[2])
+    slim = job._replace(layer=layer.replace(k=None, v=None, lowbit=None))
+    one = lambda j, c, r, rounds_q: _move_round(j._replace(lay=lay), c, r, rounds_q, moves)
     body = lambda r, rounds_q, c: jax.vmap(one, in_axes=(0, 0, None, None))(slim, c, r, rounds_q)
     k, v, lb = _rounds_loop(rounds, body, (layer.k, layer.v, layer.lowbit))
     return layer.replace(k=k, v=v, lowbit=lb)
@@ -207,31 +193,23 @@ def _flat_round(m: int, heads_per_layer: int, n_layers: int) -> int:
 _FLAT_LAYERS = 32
 
 
-def _move_flat(lay, carry, head, src, dst, quantize: bool, new, cap: int):
+def _move_flat(lay, carry, head, src, dst, quantize: bool, new_k, new_v, cap: int):
     """One round of `apply_moves_stacked`: entry j moves candidate src[j] of head head[j] to
     dst[j], the stack's K/V [1, 1, heads·C, D] and low-bit tier seen with every head end to
     end on the slot and page axes (`_move_round` on per-head axes). `quantize` (static): the
     sources are window slots or windows leaving the ring, quantized into pages dst; else
     pages (dequantized from their ledger) or windows leaving the ring, written into window
-    slots dst. A dst out of range moves nothing. `new`: (new_k, new_v, None) the windows
-    leaving the ring [heads, K, ω, D], or (None, None, ring) their first slots [heads, K]."""
+    slots dst. A dst out of range moves nothing."""
     k, v, lb = carry
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
-    new_k, new_v, ring = new
-    heads, kk = (ring if new_k is None else new_k).shape[:2]
+    heads = new_k.shape[0]
+    kk = new_k.shape[1]
     new = jnp.clip(src - f - npg, 0, kk - 1)
-    at = head * cap + base + jnp.clip(src, 0, max(f - 1, 0)) * w  # a window slot's rows
-    if new_k is not None:
-        leaving = lambda a, n: n[head, new]
-    else:  # from the ring, by the window slots' gather
-        at = jnp.where(src < f, at, head * cap + ring[head, new])
-        leaving = lambda a, n: _rows(a, at, w)
     if quantize:  # from window slots or the ring, into pages
+        at = head * cap + base + jnp.clip(src, 0, max(f - 1, 0)) * w
         slot = (src < f)[:, None, None]
         pick = lambda a, n: (
-            leaving(a, n)
-            if f == 0 or new_k is None
-            else jnp.where(slot, _rows(a, at, w), n[head, new])
+            n[head, new] if f == 0 else jnp.where(slot, _rows(a, at, w), n[head, new])
         )
         x_k, x_v = jax.lax.optimization_barrier((pick(k, new_k), pick(v, new_v)))
         to_page = jnp.where(dst < npg, head * npg + dst, heads * npg)
@@ -239,8 +217,8 @@ def _move_flat(lay, carry, head, src, dst, quantize: bool, new, cap: int):
     # from pages (their ledger) or the ring, into window slots
     deq_k, deq_v = lb.read((head * npg + jnp.clip(src - f, 0, npg - 1))[None, None], k.dtype)
     page = (src < f + npg)[:, None, None]
-    x_k = jnp.where(page, deq_k[0, 0].astype(k.dtype), leaving(k, new_k))
-    x_v = jnp.where(page, deq_v[0, 0].astype(v.dtype), leaving(v, new_v))
+    x_k = jnp.where(page, deq_k[0, 0].astype(k.dtype), new_k[head, new])
+    x_v = jnp.where(page, deq_v[0, 0].astype(v.dtype), new_v[head, new])
     # Window starts ascending and distinct: by head, then by slot within a head (the i-th
     # window goes to the i-th free slot); the dropped ones past the end, distinct as well.
     gone = heads * cap + jnp.arange(dst.shape[0], dtype=jnp.int32) * w
@@ -296,29 +274,25 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
     """
     k, v, lb = carry
     layer, lay, plan = job.layer, job.lay, job.plan
+    b, h = layer.pos.shape[:2]
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
-    n_q, _, m = move_sizes(lay, _leaving(job), moves)
+    n_q, _, m = move_sizes(lay, job.new_k.shape[2], moves)
     quantize = r < rounds_q
     # (after the plan's F metadata-only entries)
     start = f + jnp.where(quantize, r * m, _round_up(n_q, m) + (r - rounds_q) * m)
     src = jax.lax.dynamic_slice_in_dim(plan.src, start, m, axis=2)  # [B, H, m]
     dst = jax.lax.dynamic_slice_in_dim(plan.dst, start, m, axis=2)
-
-    at = base + jnp.clip(src, 0, max(f - 1, 0)) * w  # a window slot's first row
-    if job.new_k is None:  # windows leaving the ring read there, by the window slots' gather
-        ring = jnp.broadcast_to(job.ring[:, None, :], (*src.shape[:2], job.ring.shape[-1]))
-        at = jnp.where(src < f, at, _take_new(ring[..., None, None], src - f - npg)[..., 0, 0])
+    tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
 
     def window(a, new, deq):
         """The source windows [B, H, m, ω, D] of one of K or V (`deq`: its pages at src)."""
-        page = ((src >= f) & (src < f + npg))[..., None, None]
-        if new is None:
-            return jnp.where(page, deq.astype(a.dtype), _head_windows(a, at, w))
         x = _take_new(new, src - f - npg)
         x = jnp.where((src < f + npg)[..., None, None], deq.astype(x.dtype), x)
         if f == 0:
             return x
-        return jnp.where((src < f)[..., None, None], _head_windows(a, at, w), x)
+        t = (base + jnp.clip(src, 0, f - 1)[..., None] * w + tok).reshape(b, h, m * w)
+        fp = jnp.take_along_axis(a, t[..., None], axis=2, mode="clip").reshape(x.shape)
+        return jnp.where((src < f)[..., None, None], fp, x)
 
     deq_k, deq_v = lb.read(jnp.clip(src - f, 0, npg - 1), k.dtype)
     x_k, x_v = window(k, job.new_k, deq_k), window(v, job.new_v, deq_v)
@@ -330,34 +304,10 @@ def _move_round(job: MoveJob, carry, r: Array, rounds_q: Array, moves: int | Non
     lb = lb.write(jnp.where(quantize, dst, npg), x_k, x_v)
     # Promote rounds: into the window slots (their positions and scores are the event's).
     live = ~quantize & (dst < f)
-    start = jnp.where(live, base + dst * w, layer.capacity)
-    return _put_head_windows(k, start, x_k), _put_head_windows(v, start, x_v), lb
-
-
-def _head_windows(a: Array, start: Array, w: int) -> Array:
-    """a [B, H, C, D] rows [start, start + ω) of each start [B, H, m] (in range): [B, H, m, ω,
-    D], one index a window (where a row index each needed an index kernel to compile)."""
-    dn = jax.lax.GatherDimensionNumbers(
-        offset_dims=(3, 4),
-        collapsed_slice_dims=(),
-        start_index_map=(2,),
-        operand_batching_dims=(0, 1),
-        start_indices_batching_dims=(0, 1),
-    )
-    return jax.lax.gather(a, start[..., None], dn, (1, 1, w, a.shape[-1]), mode="clip")
-
-
-def _put_head_windows(a: Array, start: Array, x: Array) -> Array:
-    """a [B, H, C, D] with rows [start, start + ω) = x [B, H, m, ω, D] for each start [B, H,
-    m] (a window past C dropped whole)."""
-    dn = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(3, 4),
-        inserted_window_dims=(),
-        scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0, 1),
-        scatter_indices_batching_dims=(0, 1),
-    )
-    return jax.lax.scatter(a, start[..., None], x.astype(a.dtype), dn, mode="drop")
+    slot = jnp.where(live[..., None], base + dst[..., None] * w + tok, layer.capacity)
+    slot = slot.reshape(b, h, m * w)
+    flat = lambda x: x.reshape(b, h, m * w, x.shape[-1])
+    return put(k, slot, flat(x_k)), put(v, slot, flat(x_v)), lb
 
 
 def _take_new(new: Array, i: Array) -> Array:
