@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query, layer_view
 
 Array = jax.Array
 ROWS = 64  # rows of a warpgroup dot: the G query heads, zero-padded
@@ -42,6 +42,16 @@ def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     swz = plgpu.find_swizzle(shape[-1] * bits)
     tr = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
     return plgpu.SMEM(shape, dtype, transforms=tr)
+
+
+def layer_arrays(tier, data: tuple, layer):
+    """(the tier's one-layer view for the checks, the arrays with a leading [L] axis, the
+    layer index as an int32 [1]) for a Mosaic GPU kernel that reads stacks in place: with
+    `layer`, the tier's arrays are already stacks [L, ...] read at it; without, one layer
+    gets a free leading axis and index 0."""
+    if layer is not None:  # checked as one layer of the stack
+        return layer_view(tier, layer), data, jnp.reshape(layer, (1,)).astype(jnp.int32)
+    return tier, tuple(a[None] for a in data), jnp.zeros((1,), jnp.int32)
 
 
 def decode_grid(

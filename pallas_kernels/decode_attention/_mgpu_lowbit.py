@@ -33,14 +33,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas_kernels.decode_attention._channel_major import PAGE
-from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, layer_arrays, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import ChannelMajorLowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
 from kvjax.pallas_kernels.decode_attention._validate import (
     check_channel_major,
     check_query,
-    layer_view,
 )
 from kvjax.quant._words_layout import WORD_BASE, word_factor, word_source_of
 from kvjax.quant._words_layout import word_place as _word_place
@@ -885,12 +884,7 @@ def decode_attention_lowbit_mgpu(
     if not isinstance(tier, ChannelMajorLowBitTier):
         check_channel_major(tier, q, bits)  # raises: names what was given
     data = (tier.k, tier.v, tier.k_stats, tier.v_stats, tier.pos)
-    if layer is not None:  # checked as one layer of the stack
-        view = layer_view(tier, layer)
-        lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    else:
-        view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis
-        lay = jnp.zeros((1,), jnp.int32)
+    view, data, lay = layer_arrays(tier, data, layer)
     check_channel_major(view, q, bits)
     why = mgpu_lowbit_applies(view, q)
     if why:

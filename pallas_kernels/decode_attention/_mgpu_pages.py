@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, layer_arrays, smem_tile
 from kvjax.pallas_kernels.decode_attention._mgpu_tm import (
     BLOCK,
     COLS,
@@ -53,7 +53,7 @@ from kvjax.pallas_kernels.decode_attention._mgpu_tm import (
 from kvjax.pallas_kernels.decode_attention._tiers import LowBitTier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_lowbit, check_query, layer_view
+from kvjax.pallas_kernels.decode_attention._validate import check_lowbit, check_query
 
 Array = jax.Array
 PAGE_TOKENS = 8  # tokens a page (QEvict's window)
@@ -150,12 +150,10 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
     plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[0])
 
-    start = lambda i: i * BLOCK
-
     def issue(i, slot, when):
         @pl.when(when)
         def _():
-            at = (lay, b, h, pl.ds(start(i), BLOCK))
+            at = (lay, b, h, pl.ds(i * BLOCK, BLOCK))
             # 16 pages from the block's first: the next block's 8 (zeros past P) are E's zeros
             pg = (lay, b, h, pl.ds(i * PAGES, K_PAD))
             bar = bars.at[slot]
@@ -225,10 +223,10 @@ def _kernel(
         plgpu.commit_smem()
         issue(i + stages, slot, i + stages < last)
         s = s * scale
-        idx = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+        idx = i * BLOCK + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
         s = _masked(s, pos, qpos, idx, extent)
         if logits_ref is not None:  # the block's scaled logits, slot-minor [G, 64]
-            _logit_rows(s, s_smem, logits_ref.at[b, h, :, pl.ds(start(i), BLOCK)], rows_g)
+            _logit_rows(s, s_smem, logits_ref.at[b, h, :, pl.ds(i * BLOCK, BLOCK)], rows_g)
         p, m_new, l, corr = _online_softmax(s, m, l)
         p_smem.T[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
         zt = zt * lax.broadcast_in_dim(corr, zt.shape, [1]) + p * lax.broadcast_in_dim(
@@ -289,12 +287,7 @@ def decode_attention_pages_mgpu(
         check_lowbit(tier, q, bits)  # raises: names what was given
     fields = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "pos")
     data = tuple(getattr(tier, f) for f in fields)
-    if layer is not None:  # checked as one layer of the stack
-        view = layer_view(tier, layer)
-        lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    else:
-        view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis
-        lay = jnp.zeros((1,), jnp.int32)
+    view, data, lay = layer_arrays(tier, data, layer)
     check_lowbit(view, q, bits)
     why = pages_mgpu_applies(view, q, bits)
     if why:

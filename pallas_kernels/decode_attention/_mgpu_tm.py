@@ -44,11 +44,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, smem_tile
+from kvjax.pallas_kernels.decode_attention._mgpu import decode_grid, layer_arrays, smem_tile
 from kvjax.pallas_kernels.decode_attention._tiers import FullTier, Int8Tier, Partials
 from kvjax.pallas_kernels.decode_attention._tuning import num_splits as _num_splits
 from kvjax.pallas_kernels.decode_attention._tuning import tuning_for
-from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query, layer_view
+from kvjax.pallas_kernels.decode_attention._validate import check_dense, check_query
 
 Array = jax.Array
 BLOCK = 64  # slots a loop step: the M of a warpgroup dot
@@ -362,12 +362,7 @@ def decode_attention_mgpu_tm(
     quantized = isinstance(tier, Int8Tier)
     fields = ("k", "v", "pos", "k_scale", "v_scale") if quantized else ("k", "v", "pos")
     data = tuple(getattr(tier, f) for f in fields)
-    if layer is not None:  # checked as one layer of the stack
-        view = layer_view(tier, layer)
-        lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    else:
-        view, data = tier, tuple(a[None] for a in data)  # one layer: a free leading axis
-        lay = jnp.zeros((1,), jnp.int32)
+    view, data, lay = layer_arrays(tier, data, layer)
     check_dense(view, q)
     why = mgpu_tm_applies(view, q)
     if why:
