@@ -15,6 +15,7 @@ from kvjax.pallas_kernels.decode_attention._api import (
     BACKENDS,
     Backend,
     DecodeResult,
+    KernelFallbackWarning,
     decode_attention,
     decode_partials,
     default_backend,
@@ -43,7 +44,7 @@ from kvjax.pallas_kernels.decode_attention._tpu_lowbit import decode_attention_l
 from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
 from kvjax.pallas_kernels.decode_attention._triton_lowbit import decode_attention_lowbit_triton
 from kvjax.pallas_kernels.decode_attention._triton_pooled import decode_attention_pooled_triton
-from kvjax.pallas_kernels.decode_attention._tuning import TUNINGS, Tuning, tuning_for
+from kvjax.pallas_kernels.decode_attention._tuning import MGPU_TIERS, TUNINGS, Tuning, tuning_for
 
 __all__ = [
     "BACKENDS",
@@ -54,7 +55,9 @@ __all__ = [
     "DecodeResult",
     "FullTier",
     "Int8Tier",
+    "KernelFallbackWarning",
     "LowBitTier",
+    "MGPU_TIERS",
     "Partials",
     "PooledTier",
     "Tuning",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Literal, NamedTuple
 
 import jax
@@ -247,7 +248,7 @@ def _pages_kernel(q: Array, q_pos: Array, tier: LowBitTier, bits: int, layer) ->
     view = tier if layer is None or tier.k.ndim != 6 else layer_view(tier, layer)
     check_query(q, q_pos)
     check_lowbit(view, q, bits)
-    return pages_mgpu_applies(view, q, bits) is None
+    return _applies("pages", pages_mgpu_applies(view, q, bits))
 
 
 def _fused_combine(backend, full, int8, lowbit) -> bool:
@@ -288,7 +289,26 @@ def slots_on_m(q: Array, tier, q_pos: Array, layer: Array | None = None) -> bool
     view = tier if layer is None else layer_view(tier, layer)
     check_query(q, q_pos)
     check_dense(view, q)
-    return _mgpu_tm.mgpu_tm_applies(view, q) is None
+    return _applies(name, _mgpu_tm.mgpu_tm_applies(view, q))
+
+
+class KernelFallbackWarning(UserWarning):
+    """A kernel the device's Tuning.mgpu_tiers names does not apply to a tier; the dispatch
+    runs the Triton kernel instead (the message names the tier kind and why)."""
+
+
+def _applies(name: str, why: str | None) -> bool:
+    """Whether the Mosaic GPU kernel `name` of the Tuning's mgpu_tiers applies (`why` None);
+    else warns why (once per reason and place, as Python's warnings do) and returns False, so
+    an A/B run with `KVJAX_TUNING=mgpu_tiers=...` cannot time Triton unawares."""
+    if why is not None:
+        warnings.warn(
+            f"decode attention: Tuning.mgpu_tiers names {name!r}, which does not apply to "
+            f"this tier ({why}); it runs the Triton kernel",
+            KernelFallbackWarning,
+            stacklevel=2,
+        )
+    return why is None
 
 
 def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, padded=False, **kw):
@@ -305,12 +325,20 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
 
         return _mgpu_tm.decode_attention_mgpu_tm(q, tier, q_pos, layer=layer, **kw)
     tune = tuning_for()
+    name = "int8" if isinstance(tier, Int8Tier) else "full"
+    named = name in tune.mgpu_tiers
     if layer is not None:
+        if named:
+            _applies(
+                name, "a stacked tier read in place: the dense Mosaic GPU kernel reads one layer"
+            )
         return triton_fn(q, tier, q_pos, layer, block_k=block_k, padded=padded, **kw)
     check_query(q, q_pos)
     check_dense(tier, q)
-    name = "int8" if isinstance(tier, Int8Tier) else "full"
-    wanted = backend == "mosaic" or name in tune.mgpu_tiers
-    if wanted and _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k) is None:
-        return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
+    if backend == "mosaic" or named:
+        why = _mgpu.mgpu_applies(tier, q, block_k or tune.mgpu_block_k)
+        if why is None:
+            return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
+        if named:  # backend "mosaic" alone takes Triton where the kernel does not apply
+            _applies(name, why)
     return triton_fn(q, tier, q_pos, block_k=block_k, padded=padded, **kw)

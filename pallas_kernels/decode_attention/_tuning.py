@@ -86,13 +86,49 @@ class Tuning:
             reads its words layout faster still ("kernel" where only that fits).
         join_new_token: a decode step merges its tiers' split partials and its own token in
             one kernel launch (`join_new_token`) where it applies, instead of XLA's fusions.
-        mgpu_tiers: tiers ("full", "int8", "lowbit") that `decode_attention` runs through the
-            Mosaic GPU kernels on this device (measured faster there); others use Triton.
-            "full-tm" / "int8-tm": a bfloat16 full tier / an INT8 tier runs the slots-on-M
-            Mosaic GPU kernel (`decode_attention_mgpu_tm`) where it applies; "pages": a
-            token-major low-bit tier of 8-token pages (QEvict's) runs the Mosaic GPU kernel
-            of 8-token pages (`decode_attention_pages_mgpu`) where it applies.
+        mgpu_tiers: tiers (`MGPU_TIERS`) that `decode_attention` runs through the Mosaic GPU
+            kernels on this device (measured faster there); others use Triton. "full" /
+            "int8": a full / INT8 tier runs the Mosaic GPU dense kernel
+            (`decode_attention_mgpu`) where it applies; "full-tm" / "int8-tm": a bfloat16 full
+            tier / an INT8 tier runs the slots-on-M Mosaic GPU kernel
+            (`decode_attention_mgpu_tm`) where it applies; "pages": a token-major low-bit tier
+            of 8-token pages (QEvict's) runs the Mosaic GPU kernel of 8-token pages
+            (`decode_attention_pages_mgpu`) where it applies. Where a named kernel does not
+            apply to a tier, the dispatch warns once (naming why) and runs Triton.
+
+    Every field is checked when a Tuning is made (a table entry or a `KVJAX_TUNING` override):
+    counts >= 1, block sizes powers of two, bit-width tuples of 2 and 4 only, known tier and
+    layout names; anything else is one ValueError naming the field.
     """
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"Tuning.{f.name} must be >= 1, got {value}")
+            if f.name in _POWERS_OF_TWO and value & (value - 1):
+                raise ValueError(f"Tuning.{f.name} must be a power of 2, got {value}")
+            if isinstance(value, tuple) and f.name != "mgpu_tiers":
+                bad = [x for x in value if x not in (2, 4)]
+                if bad:
+                    raise ValueError(
+                        f"Tuning.{f.name} lists bit widths of the low-bit tiers (2, 4), "
+                        f"got {bad[0]!r}"
+                    )
+        unknown = [t for t in self.mgpu_tiers if t not in MGPU_TIERS]
+        if unknown:
+            raise ValueError(
+                f"Tuning.mgpu_tiers: unknown tier {unknown[0]!r}; known: {', '.join(MGPU_TIERS)}"
+            )
+        if self.block_k < 16:
+            raise ValueError(f"Tuning.block_k must be >= 16, got {self.block_k}")
+        if self.lowbit_cache_layout not in LOWBIT_CACHE_LAYOUTS:
+            raise ValueError(
+                f"Tuning.lowbit_cache_layout must be one of {LOWBIT_CACHE_LAYOUTS}, "
+                f"got {self.lowbit_cache_layout!r}"
+            )
 
     block_k: int = 64
     lowbit_block_k: int = 64
@@ -135,6 +171,12 @@ class Tuning:
     join_new_token: bool = False
     lowbit_cache_layout: str = "token"
 
+
+# The names `Tuning.mgpu_tiers` may hold (see its docstring).
+MGPU_TIERS = ("full", "int8", "full-tm", "int8-tm", "pages")
+# `CacheSpec.lowbit_layout`'s values (kvjax.cache.LOWBIT_LAYOUTS; test_tuning checks they agree).
+LOWBIT_CACHE_LAYOUTS = ("token", "kernel", "words")
+_POWERS_OF_TWO = ("block_k", "lowbit_block_k", "lowbit_stacked_pages", "mgpu_block_k")
 
 DEFAULT = Tuning()
 # Hopper, from the H200 sweeps (docs/benchmarks.md); the H100 shares the architecture.
@@ -242,7 +284,10 @@ def _overrides(text: str, base: Tuning) -> Tuning:
                 changes[name] = value
         except ValueError:
             raise ValueError(f"{ENV}: bad value {value!r} for {name} (now {current!r})") from None
-    return dataclasses.replace(base, **changes)
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:  # a value of the right type the field does not take
+        raise ValueError(f"{ENV}: {e}") from None
 
 
 def tuning_for(device_kind: str | None = None) -> Tuning:

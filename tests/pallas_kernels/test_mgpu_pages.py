@@ -217,10 +217,15 @@ def test_dispatch_reads_a_stack_through_the_kernel_when_the_tuning_lists_it(monk
     """ "pages" in the Tuning's mgpu_tiers: `decode_attention(..., layer=)` runs a stacked
     token-major low-bit tier of 8-token pages through this kernel (in place), with the Triton
     low-bit kernel's result and logits; a tier it does not take (16-token pages) stays with
-    Triton."""
+    Triton, with a warning that names why."""
     import dataclasses
 
-    from kvjax.pallas_kernels.decode_attention import TUNINGS, decode_attention, tuning_for
+    from kvjax.pallas_kernels.decode_attention import (
+        TUNINGS,
+        KernelFallbackWarning,
+        decode_attention,
+        tuning_for,
+    )
 
     case = CASES[0]
     layers = [_pages_alone(case, 50 + i) for i in range(2)]
@@ -246,5 +251,6 @@ def test_dispatch_reads_a_stack_through_the_kernel_when_the_tuning_lists_it(monk
     )
     q16, qp16, _, _, wide = make_tiers(case, 2, page=16, value_group=128)
     wide = stack_layers([wide, wide])
-    jaxpr = str(jax.make_jaxpr(lambda q: run(q, wide))(q16))
+    with pytest.warns(KernelFallbackWarning, match=r"'pages'.*pages of 16 tokens \(needs 8\)"):
+        jaxpr = str(jax.make_jaxpr(lambda q: run(q, wide))(q16))
     assert "pages_mgpu" not in jaxpr

@@ -1,0 +1,152 @@
+"""The decode kernels' Tuning: every field checked when a Tuning is made (table entries and
+KVJAX_TUNING overrides), and a warning where a kernel the Tuning names does not apply."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.cache._state import LOWBIT_LAYOUTS
+from kvjax.pallas_kernels.decode_attention import (
+    MGPU_TIERS,
+    TUNINGS,
+    FullTier,
+    KernelFallbackWarning,
+    Tuning,
+    _tuning,
+    decode_attention,
+    tuning_for,
+)
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Tuning)}
+_COUNTS = [n for n, f in _FIELDS.items() if f.type == "int"]
+_WIDTHS = [n for n, f in _FIELDS.items() if f.type == "tuple[int, ...]"]
+
+
+def test_every_table_entry_is_a_valid_tuning():
+    for kind, tune in {**TUNINGS, "default": _tuning.DEFAULT}.items():
+        assert dataclasses.replace(tune) == tune, kind  # replace re-runs the checks
+        assert set(tune.mgpu_tiers) <= set(MGPU_TIERS), kind
+
+
+def test_the_layout_names_are_the_caches():
+    assert _tuning.LOWBIT_CACHE_LAYOUTS == LOWBIT_LAYOUTS
+
+
+@pytest.mark.parametrize(
+    "changes, what",
+    [
+        (dict(mgpu_tiers=("fulltm",)), "mgpu_tiers: unknown tier 'fulltm'; known: full, int8"),
+        (dict(mgpu_tiers=("full", "lowbit")), "mgpu_tiers: unknown tier 'lowbit'"),
+        (dict(mgpu_lowbit_fold_keys=(3,)), "mgpu_lowbit_fold_keys lists bit widths .* got 3"),
+        (dict(lowbit_int8_qk_bits=(4, 8)), "lowbit_int8_qk_bits .* got 8"),
+        (dict(num_stages=0), "num_stages must be >= 1, got 0"),
+        (dict(target_programs=-4), "target_programs must be >= 1, got -4"),
+        (dict(block_k=48), "block_k must be a power of 2, got 48"),
+        (dict(block_k=8), "block_k must be >= 16, got 8"),
+        (dict(lowbit_stacked_pages=3), "lowbit_stacked_pages must be a power of 2"),
+        (dict(lowbit_cache_layout="channels"), "lowbit_cache_layout must be one of .* 'channels'"),
+    ],
+)
+def test_a_bad_field_is_one_error_naming_it(changes, what):
+    with pytest.raises(ValueError, match=f"Tuning.{what}"):
+        Tuning(**changes)
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("mgpu_tiers=full-tm+fulltm", "mgpu_tiers: unknown tier 'fulltm'"),
+        ("mgpu_tiers=2", "mgpu_tiers: unknown tier 2"),
+        ("mgpu_lowbit_qk_split=x", "mgpu_lowbit_qk_split lists bit widths .* got 'x'"),
+        ("mgpu_stages=0", "mgpu_stages must be >= 1"),
+        ("lowbit_cache_layout=bytes", "lowbit_cache_layout must be one of"),
+    ],
+)
+def test_a_bad_override_is_one_error_naming_the_variable_and_field(monkeypatch, text, what):
+    monkeypatch.setenv("KVJAX_TUNING", text)
+    with pytest.raises(ValueError, match=f"KVJAX_TUNING: Tuning.{what}"):
+        tuning_for()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    field=st.sampled_from(_COUNTS),
+    value=st.integers(-3, 300),
+)
+def test_counts_take_exactly_the_positive_values_their_field_allows(field, value):
+    """A count is taken iff >= 1 (and, for block sizes, a power of two; block_k >= 16)."""
+    ok = value >= 1
+    if field in _tuning._POWERS_OF_TWO:
+        ok = ok and value & (value - 1) == 0
+    if field == "block_k":
+        ok = ok and value >= 16
+    if ok:
+        assert getattr(Tuning(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=f"Tuning.{field} "):
+            Tuning(**{field: value})
+
+
+@settings(max_examples=40, deadline=None)
+@given(field=st.sampled_from(_WIDTHS), widths=st.lists(st.integers(0, 9), max_size=3))
+def test_bit_width_tuples_take_only_2_and_4(field, widths):
+    if set(widths) <= {2, 4}:
+        assert getattr(Tuning(**{field: tuple(widths)}), field) == tuple(widths)
+    else:
+        with pytest.raises(ValueError, match=f"Tuning.{field} lists bit widths"):
+            Tuning(**{field: tuple(widths)})
+
+
+def _full_tier(cap: int, seed: int = 0):
+    b, hkv, d = 1, 2, 64
+    ks = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(ks[0], (b, hkv, cap, d), jnp.bfloat16)
+    v = jax.random.normal(ks[1], (b, hkv, cap, d), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, hkv, cap))
+    q = jax.random.normal(ks[2], (b, hkv, 4, d), jnp.bfloat16)
+    return (
+        q,
+        FullTier(k, v, pos, jnp.full((b, hkv), cap, jnp.int32)),
+        jnp.full((b,), cap, jnp.int32),
+    )
+
+
+def test_a_named_kernel_that_does_not_apply_warns_and_runs_triton(monkeypatch):
+    """ "full-tm" asked for a full tier of 70 slots (the slots-on-M kernel needs a multiple of
+    64): one KernelFallbackWarning naming the tier kind and why, and the Triton result."""
+    q, tier, q_pos = _full_tier(70)
+    run = lambda: decode_attention(q, q_pos, full=tier, scale=0.125, interpret=True)
+    want = run()
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("full-tm",)))
+    with pytest.warns(KernelFallbackWarning, match=r"'full-tm'.*capacity 70 \(needs a multiple"):
+        got = run()
+    np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
+
+
+def test_a_named_kernel_that_applies_does_not_warn(monkeypatch):
+    q, tier, q_pos = _full_tier(128)
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("full-tm",)))
+    fn = lambda q: decode_attention(q, q_pos, full=tier, scale=0.125, interpret=True).out
+    jaxpr = str(jax.make_jaxpr(fn)(q))  # filterwarnings=error: a warning would fail this
+    assert "mgpu_tm" in jaxpr
+
+
+def test_the_dense_mosaic_kernel_named_for_a_stacked_tier_warns(monkeypatch):
+    """ "full" names the dense Mosaic GPU kernel, which reads one layer: a stacked tier read in
+    place (`layer=`) warns and runs Triton."""
+    q, tier, q_pos = _full_tier(64)
+    stack = jax.tree.map(lambda a: jnp.stack([a, a]), tier)._replace(extent=tier.extent)
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("full",)))
+    fn = lambda q: (
+        decode_attention(q, q_pos, full=stack, scale=0.125, interpret=True, layer=jnp.int32(1)).out
+    )
+    with pytest.warns(KernelFallbackWarning, match=r"'full'.*a stacked tier read in place"):
+        jax.make_jaxpr(fn)(q)
