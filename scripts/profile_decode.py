@@ -38,18 +38,13 @@ def main() -> None:
     layers, (name, budget) = int(pos[0]), pos[1].split(":")
     batch = int(pos[2]) if len(pos) == 3 else 8
     kind = jax.devices()[0].device_kind
-    tune = _tuning.tuning_for(kind)
-    fields = [f.name for f in dataclasses.fields(tune)]
-    for k in knobs:
-        if k not in fields:
-            raise SystemExit(f"unknown Tuning field {k!r}; fields: {', '.join(fields)}")
-
-    def value(k: str, v: str):  # a tuple field takes "+"-separated ints: lowbit_int8_qk_bits=4+2
-        if isinstance(getattr(tune, k), tuple):
-            return tuple(int(x) for x in v.split("+") if x)
-        return type(getattr(tune, k))(int(v))
-
-    tune = dataclasses.replace(tune, **{k: value(k, v) for k, v in knobs.items()})
+    # KNOB=V as KVJAX_TUNING's field=value (tuples "+"-separated: mgpu_tiers=full-tm+int8,
+    # lowbit_int8_qk_bits=4+2); a bad field or value is one error naming it.
+    try:
+        tune = _tuning._overrides(",".join(f"{k}={v}" for k, v in knobs.items()),
+                                  _tuning.tuning_for(kind))  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(str(e).replace(_tuning.ENV, "KNOB=V")) from None
     _tuning.TUNINGS[kind] = tune
     cfg = dataclasses.replace(PRESETS[os.environ.get("PRESET", "Llama-3-8B")], num_layers=layers)
     ctx = int(os.environ.get("CONTEXT", "32768"))
