@@ -26,6 +26,7 @@ from kvjax.attention import AttnStats
 from kvjax.cache import Cache, is_stacked, live_bytes, physical_bytes
 from kvjax.generate import model_step, new_cache, write_stacked
 from kvjax.models import ModelConfig, Params, stack_params
+from kvjax.pallas_kernels.decode_attention import tuning_overrides
 from kvjax.policies import BUDGETLESS, Policy, make_policy
 
 
@@ -54,6 +55,7 @@ class DecodeBench:
     fill_s: float  # wall time of the synthetic fill (its compile included)
     first_call_s: float  # wall time of the first decode loop call (compile + `steps` steps)
     scan_layers: bool = False  # the layers ran in one lax.scan over a stacked cache
+    tuning: str = ""  # the KVJAX_TUNING overrides of the decode kernels' Tuning ("" = none)
     # --mesh runs only: the mesh, each device's live / physical K/V bytes and the collectives of
     # one compiled decode step (opcode -> instructions), read from its HLO.
     mesh: str | None = None
@@ -435,5 +437,6 @@ def bench_decode(
         fill_s=fill_s,
         first_call_s=first_s,
         scan_layers=scan_layers,
+        tuning=tuning_overrides(),
         **sharded,
     )

@@ -72,6 +72,7 @@ class KernelBench:
     unroll: int = 1  # calls per iteration of the timed loop
     iters: int = ITERS  # calls per timed loop
     error: str | None = None
+    tuning: str = ""  # the KVJAX_TUNING overrides of the decode kernels' Tuning ("" = none)
 
 
 def _int8_row(row: str) -> bool:
@@ -413,6 +414,7 @@ def bench_kernel(
     dev = jax.devices()[0].device_kind
     shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads)
     shape.update(head_dim=head_dim, device=dev, unroll=unroll, iters=iters)
+    shape.update(tuning=da.tuning_overrides())
     key = jax.random.key(0)
     cases = _cases(batch, context, q_heads, kv_heads, head_dim, page, value_group, key)
     q = jax.random.normal(jax.random.key(1), (batch, q_heads, head_dim), jnp.bfloat16)

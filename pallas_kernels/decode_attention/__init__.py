@@ -44,7 +44,13 @@ from kvjax.pallas_kernels.decode_attention._tpu_lowbit import decode_attention_l
 from kvjax.pallas_kernels.decode_attention._triton import decode_attention_triton
 from kvjax.pallas_kernels.decode_attention._triton_lowbit import decode_attention_lowbit_triton
 from kvjax.pallas_kernels.decode_attention._triton_pooled import decode_attention_pooled_triton
-from kvjax.pallas_kernels.decode_attention._tuning import MGPU_TIERS, TUNINGS, Tuning, tuning_for
+from kvjax.pallas_kernels.decode_attention._tuning import (
+    MGPU_TIERS,
+    TUNINGS,
+    Tuning,
+    tuning_for,
+    tuning_overrides,
+)
 
 __all__ = [
     "BACKENDS",
@@ -82,4 +88,5 @@ __all__ = [
     "slots_on_m",
     "to_channel_major",
     "tuning_for",
+    "tuning_overrides",
 ]

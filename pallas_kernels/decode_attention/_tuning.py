@@ -290,6 +290,12 @@ def _overrides(text: str, base: Tuning) -> Tuning:
         raise ValueError(f"{ENV}: {e}") from None
 
 
+def tuning_overrides() -> str:
+    """The `KVJAX_TUNING` overrides this process runs under ("" when none), as the bench rows
+    record them (an A/B run's rows then say which side they are)."""
+    return ",".join(x.strip() for x in os.environ.get(ENV, "").split(",") if x.strip())
+
+
 def tuning_for(device_kind: str | None = None) -> Tuning:
     """The tuning of `device_kind` (default: the first device's), else DEFAULT; with the
     environment variable KVJAX_TUNING="field=value,..." overriding fields (A/B runs)."""

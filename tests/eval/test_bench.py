@@ -252,3 +252,21 @@ def test_policy_from_spec_sets_fields_as_the_cli_reads_them():
         policy_from_spec("h2o", 64, num_layers=2, sets="nonsense=3")
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         policy_from_spec("h2o", 64, num_layers=2, sets="sinks")
+
+
+def test_bench_rows_record_the_tuning_overrides_they_ran_under(tiny_llama, monkeypatch):
+    """An A/B run's rows say which side they are: the KVJAX_TUNING overrides in effect
+    (normalized, "" without), in bench decode's and bench kernel's rows alike."""
+    from kvjax.eval._bench_kernel import bench_kernel
+
+    config, params = tiny_llama
+    kw = dict(context=64, batch=1, steps=1, budget=32, fill_chunk=64, copy_bytes=1 << 20)
+    kern = dict(batch=1, context=64, q_heads=4, kv_heads=2, head_dim=64, rows=("copy",))
+    kern.update(iters=1, repeats=1)
+    monkeypatch.delenv("KVJAX_TUNING", raising=False)
+    assert bench_decode(config, params, make_policy("window", 32), **kw).tuning == ""
+    assert bench_kernel(**kern)[0].tuning == ""
+    monkeypatch.setenv("KVJAX_TUNING", " join_new_token=0 ,, mgpu_stages=3")
+    want = "join_new_token=0,mgpu_stages=3"
+    assert bench_decode(config, params, make_policy("window", 32), **kw).tuning == want
+    assert bench_kernel(**kern)[0].tuning == want
