@@ -196,7 +196,8 @@ def run_decode(args: argparse.Namespace) -> int:
                 print(
                     f"{name:>10} ctx={ctx:>6}: {r.ms_per_step:8.2f} ms/step "
                     f"{r.tokens_per_s:9.1f} tok/s, policy alone {r.policy_ms_per_step:.3f} ms, "
-                    f"first call {r.first_call_s:.1f} s{' (layer scan)' if r.scan_layers else ''}",
+                    f"first call {r.first_call_s:.1f} s{' (layer scan)' if r.scan_layers else ''}"
+                    + (f", KVJAX_TUNING {r.tuning}" if r.tuning else ""),
                     flush=True,
                 )
                 if r.mesh is not None:
