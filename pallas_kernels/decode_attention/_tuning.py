@@ -302,7 +302,7 @@ def tuning_for(device_kind: str | None = None) -> Tuning:
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
     base = TUNINGS.get(device_kind, DEFAULT)
-    text = os.environ.get(ENV, "")
+    text = tuning_overrides()
     return _overrides(text, base) if text else base
 
 

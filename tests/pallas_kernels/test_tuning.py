@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_cases import Case, make_tiers, stack_layers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,6 @@ from kvjax.cache._state import LOWBIT_LAYOUTS
 from kvjax.pallas_kernels.decode_attention import (
     MGPU_TIERS,
     TUNINGS,
-    FullTier,
     KernelFallbackWarning,
     Tuning,
     _tuning,
@@ -103,17 +103,9 @@ def test_bit_width_tuples_take_only_2_and_4(field, widths):
 
 
 def _full_tier(cap: int, seed: int = 0):
-    b, hkv, d = 1, 2, 64
-    ks = jax.random.split(jax.random.key(seed), 3)
-    k = jax.random.normal(ks[0], (b, hkv, cap, d), jnp.bfloat16)
-    v = jax.random.normal(ks[1], (b, hkv, cap, d), jnp.bfloat16)
-    pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, hkv, cap))
-    q = jax.random.normal(ks[2], (b, hkv, 4, d), jnp.bfloat16)
-    return (
-        q,
-        FullTier(k, v, pos, jnp.full((b, hkv), cap, jnp.int32)),
-        jnp.full((b,), cap, jnp.int32),
-    )
+    """(q, the lone full tier, q_pos) of the kernel tests' random tiers at this capacity."""
+    q, q_pos, full, _, _ = make_tiers(Case("bfloat16", "fp", ratio=4, head_dim=64, cap=cap), seed)
+    return q, full, q_pos
 
 
 def test_a_named_kernel_that_does_not_apply_warns_and_runs_triton(monkeypatch):
@@ -142,7 +134,7 @@ def test_the_dense_mosaic_kernel_named_for_a_stacked_tier_warns(monkeypatch):
     """ "full" names the dense Mosaic GPU kernel, which reads one layer: a stacked tier read in
     place (`layer=`) warns and runs Triton."""
     q, tier, q_pos = _full_tier(64)
-    stack = jax.tree.map(lambda a: jnp.stack([a, a]), tier)._replace(extent=tier.extent)
+    stack = stack_layers([tier, tier])
     kind = jax.devices()[0].device_kind
     monkeypatch.setitem(TUNINGS, kind, dataclasses.replace(tuning_for(), mgpu_tiers=("full",)))
     fn = lambda q: (
