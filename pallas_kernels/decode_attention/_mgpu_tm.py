@@ -374,7 +374,7 @@ def decode_attention_mgpu_tm(
     stages = stages or (tune.mgpu_tm_int8_stages if quantized else tune.mgpu_tm_stages)
     stages = max(1, min(stages, blocks))
     target = tune.mgpu_tm_int8_target_programs if quantized else tune.mgpu_target_programs
-    splits = num_splits or _num_splits(b, hkv, blocks, target)
+    splits = num_splits or _num_splits(b, hkv, blocks, target, tune.mgpu_tm_split_min_blocks)
     cols = 8 if group <= 8 else COLS
     pad = ((0, 0), (0, 0), (0, cols - group))
     f32 = jnp.float32

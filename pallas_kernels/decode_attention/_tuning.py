@@ -39,6 +39,9 @@ class Tuning:
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
+        split_min_blocks: fewest blocks (of block_k slots) a split of the Triton dense kernels
+            (BF16, INT8) takes: with few sequences (B = 1) the target's splits are short and
+            their launch, prologue and combine cost more than the programs they add.
         mgpu_block_k: slots per pipeline step of the Mosaic GPU kernels (a multiple of 64).
         mgpu_stages: blocks the Mosaic GPU kernels keep in flight (TMA copies ahead).
         mgpu_lowbit_pages: 64-token pages a loop step of the Mosaic GPU low-bit kernel reads
@@ -74,6 +77,8 @@ class Tuning:
         mgpu_tm_int8_stages: blocks the slots-on-M kernel keeps in flight over an INT8 tier.
         mgpu_tm_int8_target_programs: CTAs the slots-on-M kernel aims for over an INT8 tier
             (its int8 tiles and one converted tile: several CTAs a multiprocessor).
+        mgpu_tm_split_min_blocks: fewest 64-slot blocks a split of the slots-on-M kernel takes
+            (as split_min_blocks).
         mgpu_pages_stages: blocks the 8-token-page low-bit kernel (`_mgpu_pages.py`) keeps in
             flight.
         mgpu_pages_target_programs: CTAs the 8-token-page low-bit kernel aims for.
@@ -143,6 +148,7 @@ class Tuning:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512
+    split_min_blocks: int = 1
     mgpu_block_k: int = 64
     mgpu_stages: int = 2
     mgpu_lowbit_pages: int = 1
@@ -163,6 +169,7 @@ class Tuning:
     mgpu_tm_stages: int = 4
     mgpu_tm_int8_stages: int = 2
     mgpu_tm_int8_target_programs: int = 768
+    mgpu_tm_split_min_blocks: int = 1
     mgpu_pages_stages: int = 2
     mgpu_pages_target_programs: int = 768
     mgpu_target_programs: int = 384
@@ -248,6 +255,11 @@ _HOPPER = Tuning(
     # full 17.88 / 17.87 -> 17.77 / 17.76 ms, window 8.75 / 8.75 -> 8.65 / 8.64, kvpop 8.85 /
     # 8.87 -> 8.76 / 8.76 (H100, 2026-12-07; docs/lab/2026-12-07-h100-join.md).
     join_new_token=True,
+    # Splits of at least 16 blocks over an INT8 tier: at B = 1, 32K the 768-CTA target gave 96
+    # splits of 5-6 blocks, 48.5 us a call with logits, against 41.9 at 32 splits of 16 (H100,
+    # 2026-12-07; docs/lab/2026-12-07-h100-card-splits.md). At B = 8 the target's 12 splits
+    # already hold 21+ blocks at 16K and more: the same counts.
+    mgpu_tm_split_min_blocks=16,
 )
 TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,
@@ -306,14 +318,23 @@ def tuning_for(device_kind: str | None = None) -> Tuning:
     return _overrides(text, base) if text else base
 
 
-def num_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: int) -> int:
-    """S: splits per (sequence, KV head) so that batch·kv_heads·S ≈ target_programs.
+def num_splits(
+    batch: int, kv_heads: int, num_blocks: int, target_programs: int, min_blocks: int = 1
+) -> int:
+    """S: splits per (sequence, KV head) so that batch·kv_heads·S ≈ target_programs, each
+    split at least `min_blocks` blocks long (one split when the tier has fewer).
 
     Args:
         batch: B.
         kv_heads: Hkv.
         num_blocks: loop steps of a whole tier (static capacity / block).
         target_programs: programs to aim for.
+        min_blocks: fewest blocks a split takes (>= 1).
     """
+    if min(batch, kv_heads, num_blocks, target_programs, min_blocks) < 1:
+        raise ValueError(
+            "num_splits: batch, kv_heads, num_blocks, target_programs and min_blocks must be "
+            f">= 1, got {(batch, kv_heads, num_blocks, target_programs, min_blocks)}"
+        )
     want = -(-target_programs // (batch * kv_heads))
-    return max(1, min(want, num_blocks))
+    return max(1, min(want, num_blocks // min_blocks))

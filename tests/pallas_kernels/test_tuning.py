@@ -18,6 +18,7 @@ from kvjax.pallas_kernels.decode_attention import (
     KernelFallbackWarning,
     Tuning,
     _tuning,
+    combine,
     decode_attention,
     tuning_for,
 )
@@ -142,3 +143,55 @@ def test_the_dense_mosaic_kernel_named_for_a_stacked_tier_warns(monkeypatch):
     )
     with pytest.warns(KernelFallbackWarning, match=r"'full'.*a stacked tier read in place"):
         jax.make_jaxpr(fn)(q)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=st.integers(1, 16),
+    heads=st.integers(1, 8),
+    blocks=st.integers(1, 2048),
+    target=st.integers(1, 4096),
+    floor=st.integers(1, 64),
+)
+def test_split_count_fills_the_target_but_keeps_each_split_at_its_floor(
+    batch, heads, blocks, target, floor
+):
+    """Brute force: the split count is the largest S <= the target's share, <= blocks, whose
+    splits hold >= floor blocks each, or 1 where no count above 1 does."""
+    got = _tuning.num_splits(batch, heads, blocks, target, floor)
+    share = -(-target // (batch * heads))
+    ok = [s for s in range(1, blocks + 1) if s <= share and blocks // s >= floor]
+    assert got == max(ok, default=1)
+    assert _tuning.num_splits(batch, heads, blocks, target) == max(1, min(share, blocks))
+
+
+@pytest.mark.parametrize("bad", [dict(min_blocks=0), dict(num_blocks=0), dict(batch=-1)])
+def test_split_count_of_a_bad_size_is_one_error(bad):
+    args = dict(batch=1, kv_heads=8, num_blocks=512, target_programs=1056, min_blocks=16) | bad
+    with pytest.raises(ValueError, match="num_splits: .* must be >= 1"):
+        _tuning.num_splits(**args)
+
+
+@pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
+def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, tiers):
+    """split_min_blocks caps the Triton dense kernels' default splits (one partial a split) and
+    leaves the combined attention equal to the float32 rounding of the floorless run."""
+    from kvjax.pallas_kernels.decode_attention import _triton
+
+    case = Case(dtype="float32", tiers=tiers, ratio=2, head_dim=64, cap=130)
+    q, q_pos, full, int8, _ = make_tiers(case, 11)
+    tier = int8 if tiers == "fp+int8" else full
+    outs = {}
+    for floor in (1, 4):
+        tuned = Tuning(block_k=16, target_programs=64, split_min_blocks=floor)
+        monkeypatch.setattr(_triton, "tuning_for", lambda t=tuned: t)
+        _triton.decode_attention_triton.clear_cache()  # the Tuning is read when traced
+        part = _triton.decode_attention_triton(q, tier, q_pos, scale=0.125, interpret=True)
+        cap_blocks = -(-tier.pos.shape[-1] // 16)
+        want = _tuning.num_splits(q.shape[0], q.shape[1], cap_blocks, 64, floor)
+        assert part.out.shape[2] == want
+        outs[floor] = part
+    assert outs[4].out.shape[2] < outs[1].out.shape[2]
+    (got, got_lse), (ref, ref_lse) = (combine([outs[f]]) for f in (4, 1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=2e-6, atol=2e-6)
