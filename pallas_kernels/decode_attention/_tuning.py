@@ -331,10 +331,10 @@ def num_splits(
         target_programs: programs to aim for.
         min_blocks: fewest blocks a split takes (>= 1).
     """
-    if min(batch, kv_heads, num_blocks, target_programs, min_blocks) < 1:
+    if min(batch, kv_heads, target_programs, min_blocks) < 1 or num_blocks < 0:
         raise ValueError(
-            "num_splits: batch, kv_heads, num_blocks, target_programs and min_blocks must be "
-            f">= 1, got {(batch, kv_heads, num_blocks, target_programs, min_blocks)}"
+            "num_splits: batch, kv_heads, target_programs and min_blocks must be >= 1 and "
+            f"num_blocks >= 0, got {(batch, kv_heads, num_blocks, target_programs, min_blocks)}"
         )
     want = -(-target_programs // (batch * kv_heads))
     return max(1, min(want, num_blocks // min_blocks))

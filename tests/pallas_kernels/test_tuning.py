@@ -149,7 +149,7 @@ def test_the_dense_mosaic_kernel_named_for_a_stacked_tier_warns(monkeypatch):
 @given(
     batch=st.integers(1, 16),
     heads=st.integers(1, 8),
-    blocks=st.integers(1, 2048),
+    blocks=st.integers(0, 2048),
     target=st.integers(1, 4096),
     floor=st.integers(1, 64),
 )
@@ -165,11 +165,15 @@ def test_split_count_fills_the_target_but_keeps_each_split_at_its_floor(
     assert _tuning.num_splits(batch, heads, blocks, target) == max(1, min(share, blocks))
 
 
-@pytest.mark.parametrize("bad", [dict(min_blocks=0), dict(num_blocks=0), dict(batch=-1)])
+@pytest.mark.parametrize("bad", [dict(min_blocks=0), dict(num_blocks=-1), dict(batch=-1)])
 def test_split_count_of_a_bad_size_is_one_error(bad):
     args = dict(batch=1, kv_heads=8, num_blocks=512, target_programs=1056, min_blocks=16) | bad
-    with pytest.raises(ValueError, match="num_splits: .* must be >= 1"):
+    with pytest.raises(ValueError, match="num_splits: .* must be >= 1 and num_blocks >= 0"):
         _tuning.num_splits(**args)
+
+
+def test_an_empty_tier_takes_one_split():
+    assert _tuning.num_splits(1, 8, 0, 1056, 16) == 1
 
 
 @pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
