@@ -414,9 +414,8 @@ def decode_attention_triton(
     block_k = block_k or tune.block_k
     b, hkv, group, _ = q.shape
     cap = tier.pos.shape[-1]
-    splits = num_splits or _num_splits(
-        b, hkv, pl.cdiv(cap, block_k), tune.target_programs, tune.split_min_blocks
-    )
+    target = tune.int8_target_programs if quantized else tune.target_programs
+    splits = num_splits or _num_splits(b, hkv, pl.cdiv(cap, block_k), target, tune.split_min_blocks)
     rows = padded_rows(group)
     # A power-of-2 G is read as given, its Gp rows by a masked load (no pad launched first).
     qp = q if group & (group - 1) == 0 and rows > group else pad_group(q)

@@ -39,6 +39,8 @@ class Tuning:
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth.
         target_programs: programs (B·Hkv·S) to aim for; a few waves of the chip's cores.
+        int8_target_programs: programs the Triton kernel aims for over an INT8 tier (its
+            target: fewer, longer programs than the BF16 kernel's).
         split_min_blocks: fewest blocks (of block_k slots) a split of the Triton dense kernels
             (BF16, INT8) takes: with few sequences (B = 1) the target's splits are short and
             their launch, prologue and combine cost more than the programs they add.
@@ -148,6 +150,7 @@ class Tuning:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512
+    int8_target_programs: int = 512
     split_min_blocks: int = 1
     mgpu_block_k: int = 64
     mgpu_stages: int = 2
@@ -192,6 +195,12 @@ _HOPPER = Tuning(
     num_warps=4,
     num_stages=3,
     target_programs=1056,
+    # The INT8 kernel at 512 programs (8 splits at B = 8, 64 at B = 1) against 1056 (17, 132):
+    # B = 8, 16K / 32K / 64K 112.2 / 208.2 / 394.2 -> 106.4 / 199.1 / 378.4 us (1.78x / 1.79x /
+    # 1.83x cuDNN BF16); B = 1 24.0 / 39.9 / 64.3 -> 21.1 / 37.7 / 61.6 (H100, 2026-12-07;
+    # docs/lab/2026-12-07-h100-card-splits.md). The BF16 kernel keeps 1056: at 8 splits (B = 8,
+    # 16K) it ran 188.4 -> 197.4.
+    int8_target_programs=512,
     int8_qk=True,
     int8_v_words=True,
     lowbit_stack_pages=True,
@@ -250,6 +259,11 @@ _HOPPER = Tuning(
     # 71.0 / 127.6 / 236.1 us, INT4 words 81.9 / 151.5 / 288.5 -> 79.4 / 145.8 / 278.5 (H100,
     # 2026-12-06; docs/lab/2026-12-06-h100-words-default.md).
     mgpu_lowbit_subnormal=(2, 4),
+    # Without Pallas' own barriers (the kernel's commit_smem ones order every hazard): on the
+    # words layout, B = 8, 32K, three pairs, INT4 147.5-147.8 -> 142.8-144.0 us, INT2
+    # 128.4-128.7 -> 126.5-126.8 (H100, 2026-12-07; docs/lab/2026-12-07-h100-card-splits.md;
+    # on the byte layout of 2026-12-05 it timed as noise).
+    mgpu_lowbit_lean_barriers=(2, 4),
     # A step's tier partials and its own token in one launch, one program a query head (2.8 us
     # a layer where XLA's four fusions took 9.5): B = 8, 32K, layer scan, two interleaved pairs,
     # full 17.88 / 17.87 -> 17.77 / 17.76 ms, window 8.75 / 8.75 -> 8.65 / 8.64, kvpop 8.85 /
@@ -265,7 +279,7 @@ TUNINGS: dict[str, Tuning] = {
     "NVIDIA H200": _HOPPER,
     "NVIDIA H100 80GB HBM3": _HOPPER,
     # interpret mode: few, small programs
-    "cpu": Tuning(block_k=16, lowbit_block_k=16, target_programs=4),
+    "cpu": Tuning(block_k=16, lowbit_block_k=16, target_programs=4, int8_target_programs=4),
 }
 
 

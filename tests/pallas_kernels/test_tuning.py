@@ -187,7 +187,9 @@ def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, 
     tier = int8 if tiers == "fp+int8" else full
     outs = {}
     for floor in (1, 4):
-        tuned = Tuning(block_k=16, target_programs=64, split_min_blocks=floor)
+        tuned = Tuning(
+            block_k=16, target_programs=64, int8_target_programs=64, split_min_blocks=floor
+        )
         monkeypatch.setattr(_triton, "tuning_for", lambda t=tuned: t)
         _triton.decode_attention_triton.clear_cache()  # the Tuning is read when traced
         part = _triton.decode_attention_triton(q, tier, q_pos, scale=0.125, interpret=True)
@@ -199,3 +201,19 @@ def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, 
     (got, got_lse), (ref, ref_lse) = (combine([outs[f]]) for f in (4, 1))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=2e-6, atol=2e-6)
+
+
+def test_an_int8_tier_splits_for_its_own_target(monkeypatch):
+    """The Triton kernel's default splits follow int8_target_programs over an INT8 tier and
+    target_programs over a full one."""
+    from kvjax.pallas_kernels.decode_attention import _triton
+
+    case = Case(dtype="float32", tiers="fp+int8", ratio=2, head_dim=64, cap=130)
+    q, q_pos, full, int8, _ = make_tiers(case, 12)
+    tuned = Tuning(block_k=16, target_programs=32, int8_target_programs=8)
+    monkeypatch.setattr(_triton, "tuning_for", lambda: tuned)
+    _triton.decode_attention_triton.clear_cache()
+    for tier, target in ((full, 32), (int8, 8)):
+        part = _triton.decode_attention_triton(q, tier, q_pos, scale=0.125, interpret=True)
+        blocks = -(-tier.pos.shape[-1] // 16)
+        assert part.out.shape[2] == _tuning.num_splits(2, 2, blocks, target)
