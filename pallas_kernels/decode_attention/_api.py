@@ -297,17 +297,24 @@ class KernelFallbackWarning(UserWarning):
     runs the Triton kernel instead (the message names the tier kind and why)."""
 
 
+def _warn_fallback(name: str, why: str, stacklevel: int = 1) -> None:
+    """Warn that the Mosaic GPU kernel `name` of the Tuning's mgpu_tiers does not apply to
+    this tier (`why`) and Triton runs instead: once per reason and place, as Python's warnings
+    do, so an A/B run with `KVJAX_TUNING=mgpu_tiers=...` cannot time Triton unawares.
+    The warning's place is this function's caller (`stacklevel` 1) or a frame above it."""
+    warnings.warn(
+        f"decode attention: Tuning.mgpu_tiers names {name!r}, which does not apply to "
+        f"this tier ({why}); it runs the Triton kernel",
+        KernelFallbackWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _applies(name: str, why: str | None) -> bool:
     """Whether the Mosaic GPU kernel `name` of the Tuning's mgpu_tiers applies (`why` None);
-    else warns why (once per reason and place, as Python's warnings do) and returns False, so
-    an A/B run with `KVJAX_TUNING=mgpu_tiers=...` cannot time Triton unawares."""
+    else `_warn_fallback` and False."""
     if why is not None:
-        warnings.warn(
-            f"decode attention: Tuning.mgpu_tiers names {name!r}, which does not apply to "
-            f"this tier ({why}); it runs the Triton kernel",
-            KernelFallbackWarning,
-            stacklevel=2,
-        )
+        _warn_fallback(name, why, stacklevel=2)  # (the place: `_applies`' caller)
     return why is None
 
 
@@ -329,7 +336,7 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
     named = name in tune.mgpu_tiers
     if layer is not None:
         if named:
-            _applies(
+            _warn_fallback(
                 name, "a stacked tier read in place: the dense Mosaic GPU kernel reads one layer"
             )
         return triton_fn(q, tier, q_pos, layer, block_k=block_k, padded=padded, **kw)
@@ -340,5 +347,5 @@ def _gpu_dense(triton_fn, q, tier, q_pos, *, backend: str, block_k, layer=None, 
         if why is None:
             return _mgpu.decode_attention_mgpu(q, tier, q_pos, block_k=block_k, **kw)
         if named:  # backend "mosaic" alone takes Triton where the kernel does not apply
-            _applies(name, why)
+            _warn_fallback(name, why)
     return triton_fn(q, tier, q_pos, block_k=block_k, padded=padded, **kw)

@@ -176,12 +176,26 @@ def test_an_empty_tier_takes_one_split():
     assert _tuning.num_splits(1, 8, 0, 1056, 16) == 1
 
 
-@pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
-def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, tiers):
-    """split_min_blocks caps the Triton dense kernels' default splits (one partial a split) and
-    leaves the combined attention equal to the float32 rounding of the floorless run."""
+@pytest.fixture
+def triton_tuned(monkeypatch):
+    """`use(tuning)`: the Triton dense kernel reads this Tuning from now on. It is read when the
+    kernel is traced, so the kernel's compiled programs are dropped on each change and after
+    the test (none traced under a test's Tuning serves a later call)."""
     from kvjax.pallas_kernels.decode_attention import _triton
 
+    def use(tuning):
+        monkeypatch.setattr(_triton, "tuning_for", lambda: tuning)
+        _triton.decode_attention_triton.clear_cache()
+        return _triton.decode_attention_triton
+
+    yield use
+    _triton.decode_attention_triton.clear_cache()
+
+
+@pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
+def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(triton_tuned, tiers):
+    """split_min_blocks caps the Triton dense kernels' default splits (one partial a split) and
+    leaves the combined attention equal to the float32 rounding of the floorless run."""
     case = Case(dtype="float32", tiers=tiers, ratio=2, head_dim=64, cap=130)
     q, q_pos, full, int8, _ = make_tiers(case, 11)
     tier = int8 if tiers == "fp+int8" else full
@@ -190,9 +204,7 @@ def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, 
         tuned = Tuning(
             block_k=16, target_programs=64, int8_target_programs=64, split_min_blocks=floor
         )
-        monkeypatch.setattr(_triton, "tuning_for", lambda t=tuned: t)
-        _triton.decode_attention_triton.clear_cache()  # the Tuning is read when traced
-        part = _triton.decode_attention_triton(q, tier, q_pos, scale=0.125, interpret=True)
+        part = triton_tuned(tuned)(q, tier, q_pos, scale=0.125, interpret=True)
         cap_blocks = -(-tier.pos.shape[-1] // 16)
         want = _tuning.num_splits(q.shape[0], q.shape[1], cap_blocks, 64, floor)
         assert part.out.shape[2] == want
@@ -203,17 +215,13 @@ def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(monkeypatch, 
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=2e-6, atol=2e-6)
 
 
-def test_an_int8_tier_splits_for_its_own_target(monkeypatch):
+def test_an_int8_tier_splits_for_its_own_target(triton_tuned):
     """The Triton kernel's default splits follow int8_target_programs over an INT8 tier and
     target_programs over a full one."""
-    from kvjax.pallas_kernels.decode_attention import _triton
-
     case = Case(dtype="float32", tiers="fp+int8", ratio=2, head_dim=64, cap=130)
     q, q_pos, full, int8, _ = make_tiers(case, 12)
-    tuned = Tuning(block_k=16, target_programs=32, int8_target_programs=8)
-    monkeypatch.setattr(_triton, "tuning_for", lambda: tuned)
-    _triton.decode_attention_triton.clear_cache()
+    kernel = triton_tuned(Tuning(block_k=16, target_programs=32, int8_target_programs=8))
     for tier, target in ((full, 32), (int8, 8)):
-        part = _triton.decode_attention_triton(q, tier, q_pos, scale=0.125, interpret=True)
+        part = kernel(q, tier, q_pos, scale=0.125, interpret=True)
         blocks = -(-tier.pos.shape[-1] // 16)
         assert part.out.shape[2] == _tuning.num_splits(2, 2, blocks, target)
