@@ -7,9 +7,13 @@ restore silently as other numbers."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import hashlib
 import json
 import pathlib
+import sys
 from typing import Any
 
 import jax
@@ -23,6 +27,55 @@ def _short(e: Exception) -> str:
     """orbax/TensorStore errors carry the whole store spec: keep the reason, one line."""
     text = str(e).split(" [tensorstore_spec")[0].replace("\n", " ")
     return text if len(text) <= 400 else text[:400] + "…"
+
+
+def _read(read, where: pathlib.Path, what: str):
+    """`read()`, or one ValueError naming the checkpoint, once orbax's other reads of it are
+    closed (`_close_stranded_reads`). The error carries the reason as text, not the exception,
+    whose traceback would keep those reads alive."""
+    try:
+        return read()
+    except Exception as e:
+        reason = _short(e)
+    _close_stranded_reads()
+    raise ValueError(f"checkpoint {where} is corrupt or unreadable ({what}: {reason})")
+
+
+def _close_stranded_reads() -> None:
+    """After one read fails, orbax leaves its other reads as tasks pending on an event loop it
+    has closed: they can never run again, and when one is finally collected (whenever its
+    TensorStore future lets go of it) its coroutine turns the GeneratorExit of its closing into
+    an exception, an "exception ignored" report at some unrelated later time. Such a task's
+    coroutine (orbax's, on a closed loop) is closed here, what that raises dropped, and the
+    reports of orbax's coroutines collected meanwhile dropped too (others are passed on)."""
+    hook = sys.unraisablehook
+
+    def quiet(report) -> None:
+        if "orbax" not in _code_file(report.object):
+            hook(report)
+
+    sys.unraisablehook = quiet
+    try:
+        stranded = [
+            t
+            for t in gc.get_objects()
+            if isinstance(t, asyncio.Task) and not t.done() and t.get_loop().is_closed()
+        ]
+        for task in stranded:
+            coro = task.get_coro()
+            if "orbax" in _code_file(coro):
+                # orbax's reads re-raise the GeneratorExit as an Exception
+                with contextlib.suppress(Exception):
+                    coro.close()
+        del stranded
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _code_file(coro) -> str:
+    code = getattr(coro, "cr_code", None)
+    return code.co_filename if code is not None else ""
 
 
 def state_digest(state: PyTree, record: dict[str, Any]) -> str:
@@ -77,13 +130,8 @@ class Checkpoints:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         where = self.directory / str(step)
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = meta.meta
-        except Exception as e:
-            raise ValueError(
-                f"checkpoint {where} is corrupt or unreadable (metadata: {_short(e)})"
-            ) from e
+        meta_args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        meta = _read(lambda: self._manager.restore(step, args=meta_args).meta, where, "metadata")
         if not isinstance(meta, dict) or "config" not in meta or "step" not in meta:
             raise ValueError(f"checkpoint {where} is corrupt: its metadata has no config/step")
         diff = {
@@ -98,14 +146,8 @@ class Checkpoints:
                 "--ckpt-dir or the same settings"
             )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        try:
-            state = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-            ).state
-        except Exception as e:
-            raise ValueError(
-                f"checkpoint {where} is corrupt or unreadable (arrays: {_short(e)})"
-            ) from e
+        state_args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        state = _read(lambda: self._manager.restore(step, args=state_args).state, where, "arrays")
         got = jax.tree.map(lambda a: (a.shape, a.dtype), state)
         want = jax.tree.map(lambda a: (a.shape, a.dtype), like)
         if jax.tree.structure(state) != jax.tree.structure(like) or got != want:

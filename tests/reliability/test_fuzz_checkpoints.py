@@ -6,8 +6,12 @@ hang or a large allocation.
 CI runs a few examples; KVJAX_FUZZ_EXAMPLES=1000 runs the recorded campaign
 (docs/lab/2026-12-01-fuzzing.md)."""
 
+import asyncio
+import gc
+import inspect
 import pathlib
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +102,37 @@ def test_other_array_values_under_the_saved_record_are_caught_by_the_digest(save
     shutil.copy(root / record, tmp_path / "run" / record)
     with pytest.raises(ValueError, match="do not match the digest"):
         _restore(tmp_path / "run")
+
+
+def test_a_failed_read_leaves_none_of_orbax_reads_to_fail_later(saved, tmp_path):
+    """A failed restore leaves orbax's other reads as tasks pending on a loop it closed; each
+    would raise from its own closing whenever the collector gets to it, in some later test or
+    user code. The restore closes them before raising: no orbax coroutine is left suspended on a
+    closed loop, and collecting them reports nothing."""
+    root, files = saved
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    chunk = next(name for name in files if "/state/d/" in name)
+    (run / chunk).write_bytes(b"")
+    with pytest.raises(ValueError, match="corrupt or unreadable"):
+        _restore(run)
+    stranded = [
+        t.get_coro()
+        for t in gc.get_objects()
+        if isinstance(t, asyncio.Task) and not t.done() and t.get_loop().is_closed()
+    ]
+    suspended = [
+        c
+        for c in stranded
+        if "orbax" in c.cr_code.co_filename
+        and inspect.getcoroutinestate(c) == inspect.CORO_SUSPENDED
+    ]
+    assert not suspended
+    del stranded, suspended
+    reports = []
+    hook, sys.unraisablehook = sys.unraisablehook, reports.append
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [str(r.object) for r in reports if "orbax" in str(r.object)] == []
