@@ -27,6 +27,8 @@ from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
 from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
+from kvjax.policies._ranked import WRITE_KERNELS, apply_slot_writes
+from kvjax.policies._regions import SlotWrites, Tokens
 from kvjax.quant import BITS
 
 Array = jax.Array
@@ -62,6 +64,11 @@ class QEvictPolicy(Policy):
             query at n (`RankedPolicy`'s docstring has the rule and what is exact). Low-bit
             keys are turned after dequantization, so this takes the XLA attention; windows
             out of the cache are not attended and not counted. Default False.
+        write_kernel: a one-token call's ring write (key, value, position and score of the
+            new token, every layer of a stacked cache): "pallas", one slot-write kernel
+            launch (`kvjax.pallas_kernels.slot_write`); "xla", XLA scatters (one per array);
+            "auto" (default), "pallas" on GPU, "xla" elsewhere. Calls of several tokens take
+            XLA's scatters.
     """
 
     name = "qevict"
@@ -75,8 +82,14 @@ class QEvictPolicy(Policy):
     moves: int | None = 16
     position_shift: bool = False
     lowbit_layout: str = "auto"
+    write_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.write_kernel not in WRITE_KERNELS:
+            raise ValueError(
+                f"QEvictPolicy: write_kernel must be one of {WRITE_KERNELS}, "
+                f"got {self.write_kernel!r}"
+            )
         if not isinstance(self.position_shift, bool):
             raise ValueError(
                 f"QEvictPolicy.position_shift must be True or False, got {self.position_shift!r}"
@@ -291,21 +304,26 @@ class QEvictPolicy(Policy):
         sink = pos_new < s
         keep = valid & (sink | (pos_new >= base_after[:, None]))
         slot = jnp.where(keep, jnp.where(sink, pos_new, ring_slot), layer.capacity)
-        layer = write_slots(
-            layer,
-            k_new,
-            v_new,
-            pos_new,
-            jnp.broadcast_to(slot[:, :, None], (b, t, h)),
-            jnp.swapaxes(stats.new_mass, 1, 2),
-        )
-        ring_pos = layer.pos[:, :, s : s + r]
-        gone = (ring_pos >= 0) & (ring_pos < base_after[:, None, None])
-        layer = layer.replace(
-            pos=jax.lax.dynamic_update_slice_in_dim(
-                layer.pos, jnp.where(gone, -1, ring_pos), s, axis=2
+        if t == 1:  # a decode step: the write of `write_kernel`
+            toks = Tokens(
+                k=jnp.swapaxes(k_new, 1, 2),
+                v=jnp.swapaxes(v_new, 1, 2),
+                pos=jnp.broadcast_to(pos_new[:, None, :], (b, h, t)),
+                score=stats.new_mass,
             )
-        )
+            writes = SlotWrites(fp=(jnp.broadcast_to(slot[:, None, :], (b, h, t)), toks))
+            (layer,) = apply_slot_writes([(layer, writes)], self.write_kernel)
+        else:
+            layer = write_slots(
+                layer,
+                k_new,
+                v_new,
+                pos_new,
+                jnp.broadcast_to(slot[:, :, None], (b, t, h)),
+                jnp.swapaxes(stats.new_mass, 1, 2),
+            )
+        # (The ring slots of the windows that left are emptied by the routing event, which
+        # runs exactly when a window leaves: a step without one does not touch them.)
         lb = layer.lowbit
         st = RouteState(layer.pos, layer.score, lb.pos, lb.score, lb.held, layer.aux.fp_ledger)
         nwin = jnp.broadcast_to(win[:, None, :], (b, h, kk))

@@ -163,6 +163,7 @@ def route(
     b, h = st.pos.shape[:2]
     w, f, npg, base = lay.window, lay.fp_windows, lay.pages, lay.fp_base
     kk = new_win.shape[-1]
+    st = st._replace(pos=_empty_left_ring(st.pos, lay, new_win, event))
     led = st.fp_ledger
     fp_pos = st.pos[:, :, base:].reshape(b, h, f, w)
     fp_score = jnp.sum(st.score[:, :, base:].reshape(b, h, f, w), axis=-1)
@@ -268,6 +269,17 @@ def route(
         fp_ledger=_column(fp_rows, 2 * w),
     )
     return new, plan
+
+
+def _empty_left_ring(pos: Array, lay: Layout, new_win: Array, event: Array) -> Array:
+    """pos [B, H, C] with the ring slots of the windows leaving now (new_win [B, K], the
+    highest the last) emptied in the batch rows that route (event [B]); their tokens are
+    candidates of this event."""
+    s, r, w = lay.sinks, lay.ring, lay.window
+    base_after = s + (jnp.max(new_win, axis=-1) + 1) * w  # [B] first position still in the ring
+    ring = pos[:, :, s : s + r]
+    gone = event[:, None, None] & (ring >= 0) & (ring < base_after[:, None, None])
+    return jax.lax.dynamic_update_slice_in_dim(pos, jnp.where(gone, -1, ring), s, axis=2)
 
 
 def _plan(lists: Array, counts: Array, back: Array, lay: Layout, n_q: int, m: int) -> MovePlan:

@@ -43,6 +43,17 @@ _INF = jnp.inf
 WRITE_KERNELS = ("auto", "xla", "pallas")
 
 
+def apply_slot_writes(plans, write_kernel: str) -> tuple:
+    """The layers of `plans` ((layer, SlotWrites) pairs) with their slot writes done: one kernel
+    launch for all of them (`write_kernel` "pallas", or "auto" on GPU) or XLA scatters per
+    layer."""
+    if resolve_write_kernel(write_kernel, jax.default_backend()) == "pallas":
+        return tuple(scatter_fused(plans))
+    if slots_sharded():  # context-parallel: each device scatters into its own slots
+        return tuple(scatter_fused(plans, kernel="xla"))
+    return tuple(writes.apply(layer) for layer, writes in plans)
+
+
 def resolve_write_kernel(name: str, backend: str) -> str:
     """The slot-write path a `write_kernel` setting takes on `backend`: "auto" is the one-launch
     Pallas kernel on GPU (measured faster there, docs/benchmarks.md) and XLA's scatters
@@ -340,13 +351,7 @@ class RankedPolicy(Policy):
         return layers, (ints[:, 0], ints[:, 1], lows, ints[:, 2])
 
     def _apply(self, plans) -> tuple:
-        """The layers with their planned slot writes done: one kernel launch for all of them
-        (write_kernel "pallas") or XLA scatters per layer."""
-        if resolve_write_kernel(self.write_kernel, jax.default_backend()) == "pallas":
-            return tuple(scatter_fused(plans))
-        if slots_sharded():  # context-parallel: each device scatters into its own slots
-            return tuple(scatter_fused(plans, kernel="xla"))
-        return tuple(writes.apply(layer) for layer, writes in plans)
+        return apply_slot_writes(plans, self.write_kernel)
 
     def _decode(self, layer, k_new, v_new, pos_new, valid, stats, state, li):
         plans = self._decode_plans(

@@ -2,6 +2,7 @@
 attention streams, decode and chunked calls: same tiers, same data, same ledger codes after every
 call; plus its invariants (write-once ledger, byte budget, sinks/band, positions)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -368,3 +369,45 @@ def test_write_layers_equals_write_per_layer():
             jax.tree.map(np.testing.assert_array_equal, got, want)
     low = [np.asarray(layer.lowbit.pos) for layer in layers]  # the layers routed differently
     assert not np.array_equal(low[0], low[1]) and not np.array_equal(low[1], low[2])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_pallas_ring_write_equals_xla_scatters(stacked):
+    """write_kernel="pallas" (a decode step's ring write as one slot-write kernel, interpreted
+    on CPU; over a stacked cache, one launch for every layer) leaves exactly the cache XLA's
+    scatters leave, through prefill chunks (XLA's write either way) and routing events."""
+    from kvjax.cache import stack_trees
+
+    xla, spec = make(budget=44, batch=2, quant_share=0.5, write_kernel="xla")
+    fused = dataclasses.replace(xla, write_kernel="pallas")
+    rng = np.random.default_rng(3)
+    n_layers, n = 2, 90
+    caches = {}
+    for policy in (xla, fused):
+        layers = (policy.empty_cache(spec).layers[0],) * n_layers
+        caches[policy.write_kernel] = stack_trees(layers, "layers") if stacked else layers
+    write = {
+        p.write_kernel: jax.jit(lambda *a, p=p: _write_stack(p, *a))
+        if stacked
+        else functools.partial(_write_layers, p)
+        for p in (xla, fused)
+    }
+    data = rng.standard_normal((2, 2, n + 9, H, D)).astype(np.float32)
+    n0 = 0
+    for t in [9] + [1] * 70:
+        tables = rng.integers(0, 10, (n_layers, 2, H, n)).astype(np.float32)
+        tables += 200 * (rng.random(tables.shape) < 0.1)
+        k, v = data[0, :, n0 : n0 + t], data[1, :, n0 : n0 + t]
+        start = np.full((2,), n0, np.int32)
+        for name in caches:
+            args = jnp.asarray(tables) if stacked else tuple(tables)
+            caches[name] = write[name](caches[name], k, v, start, args)
+        n0 += t
+        jax.tree.map(np.testing.assert_array_equal, caches["pallas"], caches["xla"])
+    pages = np.asarray((caches["xla"].lowbit if stacked else caches["xla"][0].lowbit).pos)
+    assert (pages >= 0).any()  # windows did reach the low-bit tier through events
+
+
+def test_unknown_write_kernel_is_named():
+    with pytest.raises(ValueError, match="write_kernel must be one of"):
+        QEvictPolicy(budget=100, write_kernel="cuda")
