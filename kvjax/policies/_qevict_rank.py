@@ -69,8 +69,30 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     )
     q_s = v_s & ~fp_s & (j * lay.page_bytes <= left) & (j <= lay.pages)
     tier_s = jnp.where(fp_s, FP, jnp.where(q_s, INT, EVICTED)).astype(jnp.int32)
+    if _back_by_scatter():  # each rank's tier written at its candidate's index
+        return _scatter_last(packed >> 2, tier_s)
     # Back to candidate order: by the packed operand, whose order is the index's.
     return jax.lax.sort((packed, tier_s), num_keys=1)[1]
+
+
+def _back_by_scatter() -> bool:
+    """The tiers go back to candidate order by a scatter on GPU, by a second sort elsewhere.
+    On an H100 the sort back took 617 µs an event at Llama-3-8B shapes (B = 8, 32K, 32
+    layers), a scatter of as many int32 is a pass over them
+    (docs/lab/2026-12-08-qevict-event-gpu.md); on the CPU a scatter compiles to three kernels
+    where the sort is one (the first call, docs/decisions.md)."""
+    return jax.default_backend() == "gpu"
+
+
+def _scatter_last(idx: Array, x: Array) -> Array:
+    """out[..., idx[..., i]] = x[..., i] for idx a permutation of the last axis."""
+    n = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1]))
+    at = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    out = jnp.zeros((rows, n), x.dtype).at[at, idx.reshape(rows, n)]
+    return out.set(x.reshape(rows, n), unique_indices=True, mode="promise_in_bounds").reshape(
+        x.shape
+    )
 
 
 def running_counts(flags: list[Array]) -> list[Array]:

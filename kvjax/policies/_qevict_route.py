@@ -217,25 +217,26 @@ def route(
 
     # Metadata of every page and every window slot (small arrays) as rows of one table, pages
     # then slots, rewritten by one gather and one scatter (one of each to compile, where a
-    # table per kind was two of each and their index kernels). A row is positions [ω], token
-    # scores [ω] (a slot's), ledger page (a slot's), held and page score (a page's); every
-    # candidate has a row of each kind's fields, so the writes read one candidate table:
-    # windows demoted back onto their dormant ledger page and windows quantized now onto their
-    # new page (disjoint: one is held, the other free); windows entering full precision.
+    # table per kind was two of each and their index kernels). A row is the window's first
+    # position (a window's ω positions follow it: every window in a slot or a page is whole),
+    # token scores [ω] (a slot's), ledger page (a slot's), held and page score (a page's);
+    # every candidate has a row of each kind's fields, so the writes read one candidate
+    # table: windows demoted back onto their dormant ledger page and windows quantized now onto
+    # their new page (disjoint: one is held, the other free); windows entering full precision.
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    new_pos = lay.sinks + nwin[..., None] * w + tok  # [B, H, K, ω]
     fp_tok_score = st.score[:, :, base:].reshape(b, h, f, w)
     one = lambda x: x[..., None]
-    # The plan's source rows [B, H, E, 2ω + 3]; a promoted page stays its (dormant) ledger entry.
-    kinds = ((fp_pos, st.page_pos, new_pos), (fp_tok_score, st.page_score, new_score))
-    cand_rows = _source_rows(kinds, score, plan.src, w)
+    first = jnp.where(win >= 0, lay.sinks + win * w, -1)  # [B, H, N] each candidate's
+    # The plan's source rows [B, H, E, ω + 4]; a promoted page stays its (dormant) ledger entry.
+    scores = (fp_tok_score, st.page_score, new_score)
+    cand_rows = _source_rows(first, scores, score, plan.src, w)
     zeros = lambda r, c: jnp.zeros((b, h, r, c), jnp.int32)
-    rows = jnp.concatenate(  # [B, H, P + F, 2ω + 3]
+    rows = jnp.concatenate(  # [B, H, P + F, ω + 4]
         [
             jnp.concatenate(
                 [
-                    jnp.where((held & ~promote)[..., None], st.page_pos, -1),
+                    one(jnp.where(held & ~promote, first_pg, -1)),
                     zeros(npg, w + 1),
                     one(held.astype(jnp.int32)),
                     one(bits(st.page_score)),
@@ -244,7 +245,7 @@ def route(
             ),
             jnp.concatenate(
                 [
-                    jnp.where(stay_fp[..., None], fp_pos, -1),
+                    one(jnp.where(stay_fp, _column(fp_pos, 0), -1)),
                     bits(fp_tok_score),
                     one(jnp.where(stay_fp, led, -1)),
                     zeros(f, 2),
@@ -259,14 +260,15 @@ def route(
     dst = jnp.where(to_page, jnp.where(plan.dst < npg, plan.dst, npg + f), npg + plan.dst)
     rows = put(rows, dst, cand_rows)
     pg_rows, fp_rows = rows[:, :, :npg], rows[:, :, npg:]
+    whole = lambda first: jnp.where(first[..., None] >= 0, first[..., None] + tok, -1)
     region = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.reshape(b, h, f * w), base, 2)
     new = RouteState(
-        pos=region(st.pos, fp_rows[..., :w]),
-        score=region(st.score, jax.lax.bitcast_convert_type(fp_rows[..., w : 2 * w], jnp.float32)),
-        page_pos=pg_rows[..., :w],
-        page_score=jax.lax.bitcast_convert_type(_column(pg_rows, 2 * w + 2), jnp.float32),
-        held=_column(pg_rows, 2 * w + 1) != 0,
-        fp_ledger=_column(fp_rows, 2 * w),
+        pos=region(st.pos, whole(_column(fp_rows, 0))),
+        score=region(st.score, jax.lax.bitcast_convert_type(fp_rows[..., 1 : w + 1], jnp.float32)),
+        page_pos=whole(_column(pg_rows, 0)),
+        page_score=jax.lax.bitcast_convert_type(_column(pg_rows, w + 3), jnp.float32),
+        held=_column(pg_rows, w + 2) != 0,
+        fp_ledger=_column(fp_rows, w + 1),
     )
     return new, plan
 
@@ -329,30 +331,29 @@ def _plan(lists: Array, counts: Array, back: Array, lay: Layout, n_q: int, m: in
     )
 
 
-def _source_rows(kinds, score: Array, src: Array, w: int) -> Array:
-    """The metadata rows [B, H, E, 2ω + 3] of the candidates src [B, H, E] names: positions
-    [ω], token scores [ω] (a page's score on its first token), page index (a page's, else
-    -1), 1 (held), window score. kinds: ((slot, page, new-window positions [B, H, n_i, ω]),
-    (slot token scores [B, H, F, ω], page scores [B, H, P], new token scores [B, H, K, ω]));
-    candidates are numbered slots, pages, new windows; score [B, H, F + P + K].
+def _source_rows(first: Array, scores, score: Array, src: Array, w: int) -> Array:
+    """The metadata rows [B, H, E, ω + 4] of the candidates src [B, H, E] names: first
+    position, token scores [ω] (a page's score on its first token), page index (a page's,
+    else -1), 1 (held), window score. first [B, H, N]: each candidate's first position (-1:
+    none); scores: (slot token scores [B, H, F, ω], page scores [B, H, P], new token scores
+    [B, H, K, ω]); candidates are numbered slots, pages, new windows; score [B, H, N].
 
     One table of every candidate's row, read at src: one kernel fewer to compile per field
     than gathering each field from its kind's arrays (XLA:CPU), and no more bytes on a GPU,
     where the plan has about as many entries E as there are candidates (at Llama-3-8B
     shapes, B = 8, 32K: 4,737 of each a head; docs/lab/2026-12-06-h100-layer-index.md)."""
-    (fp_pos, pg_pos, new_pos), (fp_tok, pg_score, new_tok) = kinds
-    f, npg, kk = fp_pos.shape[2], pg_pos.shape[2], new_pos.shape[2]
+    fp_tok, pg_score, new_tok = scores
+    f, npg = fp_tok.shape[2], pg_score.shape[2]
     one = lambda x: x[..., None]
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     tok = jnp.arange(w, dtype=jnp.int32).reshape(1, 1, 1, w)
-    b, h = src.shape[:2]
-    n = f + npg + kk
+    b, h, n = first.shape
     at_n = jax.lax.broadcasted_iota(jnp.int32, (b, h, n), 2)
-    first = jnp.where(tok == 0, pg_score[..., None], 0.0)
-    cand = jnp.concatenate(  # [B, H, N, 2ω + 3]
+    pg_first = jnp.where(tok == 0, pg_score[..., None], 0.0)
+    cand = jnp.concatenate(  # [B, H, N, ω + 4]
         [
-            jnp.concatenate([fp_pos, pg_pos, new_pos], axis=2),
-            bits(jnp.concatenate([fp_tok, first, new_tok], axis=2)),
+            one(first),
+            bits(jnp.concatenate([fp_tok, pg_first, new_tok], axis=2)),
             one(jnp.where((at_n >= f) & (at_n < f + npg), at_n - f, -1)),
             jnp.ones((b, h, n, 1), jnp.int32),
             one(bits(score)),

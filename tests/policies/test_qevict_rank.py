@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.policies import QEvictPolicy
+from kvjax.policies import QEvictPolicy, _qevict_rank
 from kvjax.policies._qevict_rank import (
     _MATMUL_COUNTS,
     EVICTED,
@@ -41,10 +41,13 @@ def tiers_by_argsorts(win, score, has_ledger, lay):
     return take(tier_s, jnp.argsort(order, axis=-1))
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["sort-back", "scatter-back"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("share", [0.25, 0.75])
 @pytest.mark.parametrize("budget", [60, 700])  # 700: > 256 candidates, the cumsum counts
-def test_tiers_equal_the_argsort_ranking(seed, share, budget):
+def test_tiers_equal_the_argsort_ranking(seed, share, budget, scatter, monkeypatch):
+    """Both ways back to candidate order (a second sort, the CPU's; a scatter, the GPU's)."""
+    monkeypatch.setattr(_qevict_rank, "_back_by_scatter", lambda: scatter)
     lay = QEvictPolicy(budget=budget, window=4, sinks=2, band=8, quant_share=share).layout(
         8, jnp.float32
     )
@@ -55,7 +58,8 @@ def test_tiers_equal_the_argsort_ranking(seed, share, budget):
     score = rng.integers(0, 4, shape).astype(np.float32)  # ties everywhere
     score[rng.random(shape) < 0.1] = -0.0
     has_ledger = rng.random(shape) < 0.4
-    got = jax.jit(assign_tiers, static_argnums=3)(win, score, has_ledger, lay)
+    # (a function of this test's own: traced here, under this test's way back)
+    got = jax.jit(lambda *a: assign_tiers(*a, lay))(win, score, has_ledger)
     want = jax.jit(tiers_by_argsorts, static_argnums=3)(win, score, has_ledger, lay)
     np.testing.assert_array_equal(got, want)
     assert {FP, INT} <= set(np.unique(got))  # both tiers (and eviction) really occur
