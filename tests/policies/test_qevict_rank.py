@@ -41,13 +41,14 @@ def tiers_by_argsorts(win, score, has_ledger, lay):
     return take(tier_s, jnp.argsort(order, axis=-1))
 
 
-@pytest.mark.parametrize("scatter", [False, True], ids=["sort-back", "scatter-back"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-form", "gpu-form"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("share", [0.25, 0.75])
 @pytest.mark.parametrize("budget", [60, 700])  # 700: > 256 candidates, the cumsum counts
-def test_tiers_equal_the_argsort_ranking(seed, share, budget, scatter, monkeypatch):
-    """Both ways back to candidate order (a second sort, the CPU's; a scatter, the GPU's)."""
-    monkeypatch.setattr(_qevict_rank, "_back_by_scatter", lambda: scatter)
+def test_tiers_equal_the_argsort_ranking(seed, share, budget, gpu, monkeypatch):
+    """Both forms of the ranking: one sort of three operands and a sort back (the CPU's); two
+    sorts of (key, value) pairs and a scatter back (the GPU's)."""
+    monkeypatch.setattr(_qevict_rank, "_gpu_ranking", lambda: gpu)
     lay = QEvictPolicy(budget=budget, window=4, sinks=2, band=8, quant_share=share).layout(
         8, jnp.float32
     )
