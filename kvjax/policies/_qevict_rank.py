@@ -53,15 +53,7 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
     # (kind 0: no window, 1: a window, 2: a window with a ledger entry): one array to build
     # and sort where three were.
     kind = valid.astype(jnp.int32) + (valid & has_ledger).astype(jnp.int32)
-    if _gpu_ranking():
-        # Two stable sorts of one key and one value each, the second key first (what CUB's
-        # radix sort takes: XLA's own sort of three operands was 1.06 ms an event on an H100).
-        by_win = jax.lax.sort((-win, idx), num_keys=1, is_stable=True)[1]
-        key_w = jnp.take_along_axis(key, by_win, axis=-1)
-        order = jax.lax.sort((key_w, by_win), num_keys=1, is_stable=True)[1]
-        packed = 4 * order + jnp.take_along_axis(kind, order, axis=-1)
-    else:
-        *_, packed = jax.lax.sort((key, -win, 4 * idx + kind), num_keys=2, is_stable=True)
+    *_, packed = jax.lax.sort((key, -win, 4 * idx + kind), num_keys=2, is_stable=True)
     v_s, led_s = (packed & 3) > 0, (packed & 3) > 1
     n_v, n_led = running_counts([v_s, led_s])
     # A window costs b_fp, plus b_q with a ledger entry: cum = cumsum(cost), mod 2^32 too.
@@ -84,12 +76,10 @@ def assign_tiers(win: Array, score: Array, has_ledger: Array, lay) -> Array:
 
 
 def _gpu_ranking() -> bool:
-    """The ranking's GPU form: the order by two sorts of (key, value) pairs, which XLA hands to
-    CUB's radix sort, and the tiers back to candidate order by a scatter. Elsewhere one sort
-    of three operands and a second sort back: on the CPU a scatter compiles to three kernels
-    and each sort to one (the first call, docs/decisions.md). On an H100, XLA's three-operand
-    sort and the sort back took 1.06 and 0.62 ms an event at Llama-3-8B shapes (B = 8, 32K,
-    32 layers; docs/lab/2026-12-08-qevict-event-gpu.md)."""
+    """The ranking's GPU form: the tiers back to candidate order by a scatter (on an H100 the
+    sort back took 0.62 ms an event at Llama-3-8B shapes, B = 8, 32K, 32 layers:
+    docs/lab/2026-12-08-qevict-event-gpu.md). Elsewhere by a second sort: on the CPU a
+    scatter compiles to three kernels and a sort to one (the first call, docs/decisions.md)."""
     return jax.default_backend() == "gpu"
 
 

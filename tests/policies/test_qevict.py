@@ -414,7 +414,7 @@ def test_unknown_write_kernel_is_named():
 
 
 def test_gpu_form_of_the_ranking_matches_the_reference(monkeypatch):
-    """The routing event's GPU ranking (two pair sorts, a scatter back), here on the CPU, keeps
+    """The routing event's GPU ranking (its tiers back by a scatter), here on the CPU, keeps
     every call equal to the NumPy reference through events that promote and demote."""
     from kvjax.policies import _qevict_rank
 

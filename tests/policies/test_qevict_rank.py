@@ -46,8 +46,8 @@ def tiers_by_argsorts(win, score, has_ledger, lay):
 @pytest.mark.parametrize("share", [0.25, 0.75])
 @pytest.mark.parametrize("budget", [60, 700])  # 700: > 256 candidates, the cumsum counts
 def test_tiers_equal_the_argsort_ranking(seed, share, budget, gpu, monkeypatch):
-    """Both forms of the ranking: one sort of three operands and a sort back (the CPU's); two
-    sorts of (key, value) pairs and a scatter back (the GPU's)."""
+    """Both forms of the ranking: its tiers back to candidate order by a sort (the CPU's) and by
+    a scatter (the GPU's)."""
     monkeypatch.setattr(_qevict_rank, "_gpu_ranking", lambda: gpu)
     lay = QEvictPolicy(budget=budget, window=4, sinks=2, band=8, quant_share=share).layout(
         8, jnp.float32
