@@ -440,19 +440,17 @@ def test_int8_qk_needs_an_int8_tier():
 
 
 @pytest.mark.parametrize("dtype,on", [("bfloat16", True), ("float32", False), ("float16", False)])
-def test_tuned_int8_qk_applies_to_bfloat16_queries_only(monkeypatch, dtype, on):
+def test_tuned_int8_qk_applies_to_bfloat16_queries_only(triton_tuned, dtype, on):
     """A device tuned with int8_qk quantizes q by default only when q is bfloat16 (whose own
     rounding is of q8's size); float16/float32 queries keep the exact-conversion path."""
-    from kvjax.pallas_kernels.decode_attention import _triton, _tuning
+    from kvjax.pallas_kernels.decode_attention import _tuning
 
-    tuned = _tuning.Tuning(block_k=16, target_programs=4, int8_qk=True)
-    monkeypatch.setattr(_triton, "tuning_for", lambda: tuned)
+    kernel = triton_tuned(_tuning.Tuning(block_k=16, target_programs=4, int8_qk=True))
     case = Case(dtype=dtype, tiers="fp+int8", ratio=2, head_dim=64)
     q, q_pos, _, int8, _ = make_tiers(case, _seed("int8_qk_default", dtype))
     kw = dict(scale=0.125, num_splits=2, return_logits=True, interpret=True)
     default, forced_on, forced_off = (
-        _triton.decode_attention_triton(q, int8, q_pos, int8_qk=f, **kw)
-        for f in (None, True, False)
+        kernel(q, int8, q_pos, int8_qk=f, **kw) for f in (None, True, False)
     )
     want, other = (forced_on, forced_off) if on else (forced_off, forced_on)
     np.testing.assert_array_equal(np.asarray(default.logits), np.asarray(want.logits))

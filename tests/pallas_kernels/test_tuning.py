@@ -176,22 +176,6 @@ def test_an_empty_tier_takes_one_split():
     assert _tuning.num_splits(1, 8, 0, 1056, 16) == 1
 
 
-@pytest.fixture
-def triton_tuned(monkeypatch):
-    """`use(tuning)`: the Triton dense kernel reads this Tuning from now on. It is read when the
-    kernel is traced, so the kernel's compiled programs are dropped on each change and after
-    the test (none traced under a test's Tuning serves a later call)."""
-    from kvjax.pallas_kernels.decode_attention import _triton
-
-    def use(tuning):
-        monkeypatch.setattr(_triton, "tuning_for", lambda: tuning)
-        _triton.decode_attention_triton.clear_cache()
-        return _triton.decode_attention_triton
-
-    yield use
-    _triton.decode_attention_triton.clear_cache()
-
-
 @pytest.mark.parametrize("tiers", ["fp", "fp+int8"])
 def test_split_floor_sets_the_dispatch_splits_and_keeps_the_result(triton_tuned, tiers):
     """split_min_blocks caps the Triton dense kernels' default splits (one partial a split) and
