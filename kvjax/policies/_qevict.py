@@ -27,7 +27,7 @@ from kvjax.policies._base import Policy, cached_tokens
 from kvjax.policies._lowbit_layout import check_layout, lowbit_layout
 from kvjax.policies._qevict_move import MoveJob, apply_moves, apply_moves_stacked
 from kvjax.policies._qevict_route import Layout, QEvictAux, RouteState, empty_plan, route
-from kvjax.policies._ranked import WRITE_KERNELS, apply_slot_writes
+from kvjax.policies._ranked import apply_slot_writes, check_write_kernel
 from kvjax.policies._regions import SlotWrites, Tokens
 from kvjax.quant import BITS
 
@@ -85,11 +85,7 @@ class QEvictPolicy(Policy):
     write_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.write_kernel not in WRITE_KERNELS:
-            raise ValueError(
-                f"QEvictPolicy: write_kernel must be one of {WRITE_KERNELS}, "
-                f"got {self.write_kernel!r}"
-            )
+        check_write_kernel("QEvictPolicy", self.write_kernel)
         if not isinstance(self.position_shift, bool):
             raise ValueError(
                 f"QEvictPolicy.position_shift must be True or False, got {self.position_shift!r}"

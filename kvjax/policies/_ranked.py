@@ -43,6 +43,14 @@ _INF = jnp.inf
 WRITE_KERNELS = ("auto", "xla", "pallas")
 
 
+def check_write_kernel(owner: str, write_kernel: str) -> None:
+    """One ValueError naming `owner` unless `write_kernel` is one of WRITE_KERNELS."""
+    if write_kernel not in WRITE_KERNELS:
+        raise ValueError(
+            f"{owner}: write_kernel must be one of {WRITE_KERNELS}, got {write_kernel!r}"
+        )
+
+
 def apply_slot_writes(plans, write_kernel: str) -> tuple:
     """The layers of `plans` ((layer, SlotWrites) pairs) with their slot writes done: one kernel
     launch for all of them (`write_kernel` "pallas", or "auto" on GPU) or XLA scatters per
@@ -156,11 +164,7 @@ class RankedPolicy(Policy):
 
     # --- cache layout ------------------------------------------------------------------------
     def _check(self) -> None:
-        if self.write_kernel not in WRITE_KERNELS:
-            raise ValueError(
-                f"{type(self).__name__}: write_kernel must be one of {WRITE_KERNELS}, "
-                f"got {self.write_kernel!r}"
-            )
+        check_write_kernel(type(self).__name__, self.write_kernel)
         if not isinstance(self.position_shift, bool):
             raise ValueError(
                 f"{type(self).__name__}.position_shift must be True or False, "
